@@ -1,0 +1,324 @@
+"""The Llama-2 Transformer, written to match Meta's reference code line for line.
+
+Pre-norm decoder-only Transformer: RMSNorm, rotary position embeddings (RoPE), SwiGLU
+feed-forward, grouped-query attention and a KV cache for incremental decoding. Parameter
+names are Meta's, so a Meta state dict loads by key.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NORMS = ("rmsnorm", "prmsnorm", "layernorm", "none")
+
+
+@dataclass
+class ModelArgs:
+    """Model shape. Field names are those of Meta's params.json, so ModelArgs(**params) works.
+
+    Meta's Llama-2 params.json says vocab_size: -1; the real size comes from the tokenizer
+    and must be set before the model is built.
+    """
+
+    dim: int = 288
+    n_layers: int = 6
+    n_heads: int = 6
+    n_kv_heads: Optional[int] = None  # None means n_heads: plain multi-head attention
+    vocab_size: int = -1
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: Optional[float] = None
+    hidden_dim: Optional[int] = None  # the SwiGLU size stated outright (HF configs do); None: Meta's rule
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    use_scaled_rope: bool = False  # Llama-3.1's long-context frequency scaling
+    max_seq_len: int = 4096  # Llama-2's context length; Meta's file does not state it
+    # Our own fields, for the normalisation ablation and for training from scratch.
+    norm: str = "rmsnorm"  # one of NORMS
+    norm_p: float = 1.0  # partial RMSNorm: the RMS is taken over the first ceil(dim * p) elements
+    tie_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.norm not in NORMS:
+            raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
+        if not 0.0 < self.norm_p <= 1.0:
+            raise ValueError(f"norm_p must be in (0, 1], got {self.norm_p}")
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.hidden_dim or ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
+
+
+# --- Normalisation -----------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer normalisation (Zhang & Sennrich, 2019), as in Meta's Llama.
+
+    The statistic is computed in float32 whatever the input dtype, and the result is
+    rounded back to the input dtype once, before the weight is applied. In bf16 a naive
+    computation rounds the mean of squares and the reciprocal square root separately and
+    drifts from the float32 answer; the upcast makes half-precision runs match fp32 ones.
+
+    With p < 1 this is the paper's partial RMSNorm (eq. 8): the RMS is estimated from the
+    first ceil(dim * p) elements only, and all elements are divided by it.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0):
+        super().__init__()
+        self.eps = eps
+        self.p = p
+        self.n_rms = dim if p >= 1.0 else math.ceil(dim * p)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def _norm(self, x):
+        x_rms = x if self.n_rms == x.shape[-1] else x[..., : self.n_rms]
+        return x * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        # Meta's self._norm(x.float()).type_as(x); float64 stays float64 so gradcheck can run.
+        output = self._norm(x if x.dtype == torch.float64 else x.float()).type_as(x)
+        return output * self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}"
+
+
+def build_norm(args: ModelArgs) -> nn.Module:
+    """The normalisation layer named by args.norm: the one switch of the ablation."""
+    if args.norm == "rmsnorm":
+        return RMSNorm(args.dim, args.norm_eps)
+    if args.norm == "prmsnorm":
+        return RMSNorm(args.dim, args.norm_eps, p=args.norm_p)
+    if args.norm == "layernorm":
+        return nn.LayerNorm(args.dim, eps=args.norm_eps)
+    return nn.Identity()  # "none": the paper's baseline without normalisation
+
+
+# --- Rotary position embeddings ----------------------------------------------------------
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Meta's inverse frequencies theta^(-2i/d), with Llama-3.1's scaling when asked for."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
+    return scale_rope_frequencies(freqs) if args.use_scaled_rope else freqs
+
+
+def scale_rope_frequencies(freqs, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
+    """Llama-3.1: slow the low frequencies down by `factor` so the context stretches 8x,
+    keep the high ones, and blend smoothly in between (Meta's apply_scaling)."""
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * freqs / factor + smooth * freqs
+    scaled = torch.where(wavelen > old_context_len / low_freq_factor, freqs / factor, blended)
+    return torch.where(wavelen < old_context_len / high_freq_factor, freqs, scaled)
+
+
+def precompute_freqs(args: ModelArgs, device=None):
+    """cos and sin tables of shape (max_seq_len, head_dim // 2).
+
+    Meta stores these as complex numbers (freqs_cis); real cos/sin tables hold the same
+    values and compile better, since Inductor and Triton do not handle complex tensors.
+    """
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, rope_frequencies(args).to(device))
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rotary_emb(x, cos, sin):
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by angle pos * freq_i.
+
+    x: (B, T, heads, head_dim); cos, sin: (T, head_dim // 2). Computed in float32 like
+    Meta's complex multiply, then cast back.
+    """
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+# --- Attention ---------------------------------------------------------------------------
+
+
+class KVCache(nn.Module):
+    """Keys and values of past positions, allocated once for the longest sequence.
+
+    Preallocating avoids a torch.cat per generated token (quadratic copying) and keeps the
+    shapes static for torch.compile. Layout (B, n_kv_heads, max_seq_len, head_dim), the one
+    scaled_dot_product_attention reads.
+    """
+
+    def __init__(self, batch_size, max_seq_len, n_kv_heads, head_dim, device, dtype):
+        super().__init__()
+        shape = (batch_size, n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+
+    def update(self, start_pos: int, k, v):
+        """Store k, v (B, n_kv_heads, T, head_dim) at start_pos; return all keys and values so far."""
+        B, _, T, _ = k.shape
+        end = start_pos + T
+        self.k[:B, :, start_pos:end] = k
+        self.v[:B, :, start_pos:end] = v
+        return self.k[:B, :, :end], self.v[:B, :, :end]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.cache: Optional[KVCache] = None
+
+    def forward(self, x, cos, sin, start_pos: Optional[int] = None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
+
+        if start_pos is not None:
+            k, v = self.cache.update(start_pos, k, v)
+        # Grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads.
+        n_rep = self.n_heads // self.n_kv_heads
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+
+        if not start_pos:  # the whole sequence from position 0: plain causal attention
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T == 1:  # one new token attends to everything cached
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:  # a chunk after cached positions: query i sees keys up to start_pos + i
+            mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+# --- Feed-forward --------------------------------------------------------------------------
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: Optional[float] = None) -> int:
+    """Meta's SwiGLU hidden size: 2/3 of 4*dim (three matrices cost what two did at 4*dim),
+    optionally scaled, rounded up to a multiple of multiple_of. 7B: 4096 -> 11008."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        hidden = args.ffn_dim
+        self.w1 = nn.Linear(args.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, args.dim, bias=False)
+        self.w3 = nn.Linear(args.dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# --- The Transformer -----------------------------------------------------------------------
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = build_norm(args)
+        self.ffn_norm = build_norm(args)
+
+    def forward(self, x, cos, sin, start_pos: Optional[int] = None):
+        h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        if args.vocab_size <= 0:
+            raise ValueError(
+                f"vocab_size is {args.vocab_size} (Meta's params.json says -1); "
+                "set it from the tokenizer, e.g. args.vocab_size = tokenizer.n_words"
+            )
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = build_norm(args)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_rope()
+        self.apply(self._init_weights)
+        # Scaled residual init (GPT-2, llama2.c): each block adds two outputs (wo, w2) to the
+        # residual stream, so without scaling its variance grows with depth. Dividing their
+        # std by sqrt(2 * n_layers) keeps the stream's scale independent of depth at init.
+        for name, p in self.named_parameters():
+            if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * args.n_layers))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def init_rope(self, device=None):
+        """(Re)build the cos/sin tables. Loaders that build the model on the meta device call
+        this once the weights are in place, since the tables are not part of the state dict."""
+        device = device if device is not None else self.tok_embeddings.weight.device
+        cos, sin = precompute_freqs(self.args, device)
+        self.register_buffer("freqs_cos", cos, persistent=False)
+        self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def setup_cache(self, batch_size: int, max_seq_len: Optional[int] = None):
+        """Allocate a KV cache on the model's device and dtype for incremental decoding."""
+        max_seq_len = max_seq_len or self.args.max_seq_len
+        weight = self.output.weight
+        for layer in self.layers:
+            attn = layer.attention
+            attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, weight.device, weight.dtype)
+
+    def forward(self, tokens, start_pos: Optional[int] = None):
+        """tokens (B, T) -> float32 logits (B, T, vocab_size).
+
+        With start_pos=None the sequence is processed on its own and no cache is touched
+        (training, scoring). With start_pos=n the tokens sit at positions n..n+T-1, their
+        keys and values are stored in the cache, and earlier positions are read from it.
+        """
+        B, T = tokens.shape
+        pos = start_pos or 0
+        if pos + T > self.freqs_cos.shape[0]:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len {self.freqs_cos.shape[0]}")
+        if start_pos is not None and self.layers[0].attention.cache is None:
+            raise RuntimeError("call model.setup_cache(batch_size) before decoding with start_pos")
+        cos, sin = self.freqs_cos[pos : pos + T], self.freqs_sin[pos : pos + T]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin, start_pos)
+        return self.output(self.norm(h)).float()
