@@ -288,13 +288,19 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def init_rope(self, device=None):
-        """(Re)build the cos/sin tables. Loaders that build the model on the meta device call
-        this once the weights are in place, since the tables are not part of the state dict."""
-        device = device if device is not None else self.tok_embeddings.weight.device
-        cos, sin = precompute_freqs(self.args, device)
+    def init_rope(self):
+        """(Re)build the float32 cos/sin tables on the weights' device. They are not in the
+        state dict, so a model built on the meta device gets real ones once it is moved."""
+        cos, sin = precompute_freqs(self.args, self.tok_embeddings.weight.device)
         self.register_buffer("freqs_cos", cos, persistent=False)
         self.register_buffer("freqs_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # model.to(torch.bfloat16) would round the RoPE tables with the weights; Meta rotates
+        # in float32, so rebuild them after every move or cast.
+        super()._apply(fn, recurse)
+        self.init_rope()
+        return self
 
     def setup_cache(self, batch_size: int, max_seq_len: Optional[int] = None):
         """Allocate a KV cache on the model's device and dtype for incremental decoding."""

@@ -123,6 +123,7 @@ def test_cache_lives_on_model_device_and_dtype():
     model.setup_cache(batch_size=3, max_seq_len=16)
     cache = model.layers[0].attention.cache
     assert cache.k.dtype == torch.bfloat16 and cache.k.shape == (3, 2, 16, 8)
+    assert model.freqs_cos.dtype == torch.float32  # Meta rotates in float32 whatever the weights
     with torch.no_grad():
         assert model(torch.zeros(3, 4, dtype=torch.long), start_pos=0).dtype == torch.float32
 
