@@ -1,23 +1,43 @@
 """Checkpoints: formats in, formats out.
 
-Our own (native) checkpoint is a folder with config.json (the ModelArgs), model.safetensors
-and, when known, the tokenizer.model it was trained with. A training run folder holds one
-such folder per saved step and a `latest` file naming the newest complete one.
+Three formats, told apart by detect_format:
+- native: our own folder, config.json ({"llama_mini": ModelArgs}) + model.safetensors and,
+  when known, the tokenizer.model it was trained with. A training run folder holds one such
+  folder per saved step and a `latest` file naming the newest complete one.
+- meta: Meta's download, params.json + consolidated.NN.pth, one file per model-parallel rank.
+- hf: a Hugging Face LlamaForCausalLM folder, config.json + model*.safetensors (one file, or
+  shards listed in model.safetensors.index.json) or pytorch_model*.bin.
+
+Loading never holds two copies of the weights: the model is built on the meta device, the
+files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and the mapped
+tensors become the parameters through load_state_dict(assign=True). Pages are read from disk
+when first used, so peak memory is about the size of the files.
 """
 
 import dataclasses
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
-from .model import ModelArgs, Transformer
+from .hf import args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
+from .model import ModelArgs, Transformer, ffn_hidden_dim
+from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
+META_PARAMS = "params.json"
+FORMATS = ("native", "meta", "hf")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # for --dtype
+
+# Meta's model-parallel layers: ColumnParallelLinear splits its output features (dim 0),
+# RowParallelLinear and ParallelEmbedding split their input / embedding features (dim 1).
+# 1-D tensors (the norm weights) are replicated on every rank.
+_META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1, "tok_embeddings": 1}
 
 
 def atomic_write(path, write) -> None:
@@ -37,21 +57,7 @@ def atomic_write(path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_path=None) -> Path:
-    """Write model to the folder path in the given format; returns the folder."""
-    if format != "native":
-        raise ValueError(f"unknown checkpoint format {format!r}; use native")
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    config = {"llama_mini": dataclasses.asdict(model.args)}
-    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
-    if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
-        atomic_write(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
-    return path
+# --- Reading -------------------------------------------------------------------------------
 
 
 def resolve_run_folder(path) -> Path:
@@ -59,29 +65,48 @@ def resolve_run_folder(path) -> Path:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
+    if path.is_file():
+        raise ValueError(f"{path} is a file; pass the checkpoint folder that holds it ({path.parent})")
     if (path / LATEST).is_file():
         return path / (path / LATEST).read_text().strip()
     return path
 
 
-def load_checkpoint(path, device=None, dtype=None) -> Transformer:
-    """Load a checkpoint folder. dtype=None keeps the stored dtype.
+def detect_format(path) -> str:
+    """"native", "meta" or "hf" for a checkpoint folder: the one place that decides."""
+    path = Path(path)
+    if (path / META_PARAMS).is_file():
+        return "meta"
+    if (path / CONFIG).is_file():
+        return "native" if "llama_mini" in _read_json(path / CONFIG) else "hf"
+    raise ValueError(
+        f"{path} is not a checkpoint folder of a known format: it holds neither config.json "
+        "(llama_mini or Hugging Face) nor params.json (Meta)"
+    )
 
-    The model is built on the meta device (no memory, no random init), and the weights,
-    read lazily from disk, are assigned in place: peak memory is one copy of the weights.
+
+def find_tokenizer(path):
+    """tokenizer.model in the checkpoint folder, or in its parent (Meta's downloads keep one
+    tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); None if neither has one."""
+    path = resolve_run_folder(path)
+    for folder in (path, path.parent):
+        if (folder / TOKENIZER).is_file():
+            return folder / TOKENIZER
+    return None
+
+
+def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None) -> Transformer:
+    """Load a checkpoint folder of any supported format. dtype=None keeps the stored dtype.
+
+    max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
+    state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
+    is looked for next to the checkpoint when not given.
     """
     path = resolve_run_folder(path)
-    config_file = path / CONFIG
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{path} holds no {CONFIG}; not a llama_mini checkpoint")
-    config = json.loads(config_file.read_text())
-    args = ModelArgs(**config["llama_mini"])
-    try:
-        state = load_file(path / WEIGHTS, device=str(device or "cpu"))
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{path / WEIGHTS} is truncated or corrupt ({e})") from None
-    if args.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
+    read = {"native": _read_native, "meta": _read_meta, "hf": _read_hf}[detect_format(path)]
+    args, state = read(path, tokenizer_path)
+    if max_seq_len is not None:
+        args.max_seq_len = max_seq_len
     return build_model(args, state, device=device, dtype=dtype)
 
 
@@ -100,4 +125,210 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    model.init_rope()  # the RoPE tables are still on the meta device, where nothing can copy them from
     return model.to(device=device, dtype=dtype).eval()
+
+
+def _read_native(path: Path, tokenizer_path=None):
+    try:
+        args = ModelArgs(**_read_json(path / CONFIG)["llama_mini"])
+    except TypeError as e:  # a field this version does not know, or one it needs missing
+        raise ValueError(f"{path / CONFIG} does not describe a llama_mini model ({e})") from None
+    state = _read_safetensors(path / WEIGHTS)
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return args, state
+
+
+def _read_meta(path: Path, tokenizer_path=None):
+    params = _read_json(path / META_PARAMS)
+    unknown = params.keys() - {f.name for f in dataclasses.fields(ModelArgs)}
+    if unknown:
+        raise ValueError(f"{path / META_PARAMS} has fields llama_mini does not know: {sorted(unknown)}")
+    files = sorted(path.glob("consolidated.*.pth"))
+    if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
+        names = ", ".join(f.name for f in files) or "none"
+        raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
+    state = merge_meta_shards([_torch_load(f) for f in files])
+    if params.get("vocab_size", -1) <= 0:  # Llama-2's params.json says -1: the tokenizer decides
+        tokenizer_path = tokenizer_path or find_tokenizer(path)
+        if tokenizer_path is None:
+            raise FileNotFoundError(
+                f"{path / META_PARAMS} says vocab_size -1, which the tokenizer decides, but no "
+                f"{TOKENIZER} is in {path} or its parent; pass its path (--tokenizer)"
+            )
+        params["vocab_size"] = Tokenizer(tokenizer_path).n_words
+    return ModelArgs(**params), state
+
+
+def _read_hf(path: Path, tokenizer_path=None):
+    config = _read_json(path / CONFIG)
+    if config.get("model_type") != "llama":
+        raise ValueError(f"{path / CONFIG} describes a {config.get('model_type')!r} model; only Llama (model_type 'llama') is supported")
+    try:
+        args = args_from_hf_config(config)
+    except KeyError as e:
+        raise ValueError(f"{path / CONFIG} lacks the field {e}") from None
+    state = {}
+    for file in _hf_weight_files(path):
+        state.update(_read_safetensors(file) if file.suffix == ".safetensors" else _torch_load(file))
+    try:
+        return args, from_hf_state_dict(state, args)
+    except KeyError as e:
+        raise ValueError(f"{path} holds tensor {e}, which is not part of a Llama model") from None
+
+
+def _hf_weight_files(path: Path) -> list[Path]:
+    """The weight files of a Hugging Face folder: safetensors before .bin, an index first."""
+    for single, index in ((WEIGHTS, WEIGHTS + ".index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        if (path / index).is_file():
+            weight_map = _read_json(path / index).get("weight_map", {})
+            return [path / name for name in sorted(set(weight_map.values()))]
+        if (path / single).is_file():
+            return [path / single]
+    raise FileNotFoundError(f"{path} has a config.json but no {WEIGHTS}, sharded safetensors index or pytorch_model.bin")
+
+
+def merge_meta_shards(shards: list[dict]) -> dict:
+    """Meta's model-parallel shards -> one state dict; rope.freqs is dropped (we recompute it).
+
+    A single shard is returned as it is, so its memory-mapped tensors are never copied.
+    """
+    merged = {}
+    for key, first in shards[0].items():
+        if key == "rope.freqs":
+            continue
+        parts = [shard.get(key) for shard in shards]
+        if any(p is None for p in parts):
+            raise ValueError(f"tensor {key} is missing from model-parallel shard {parts.index(None):02d}")
+        if len(shards) == 1 or first.dim() == 1:
+            merged[key] = first
+        else:
+            merged[key] = torch.cat(parts, dim=_meta_shard_dim(key))
+    return merged
+
+
+def split_meta_shards(state: dict, n: int) -> list[dict]:
+    """Inverse of merge_meta_shards: the state dict of each of n model-parallel ranks."""
+    return [
+        {key: (t if t.dim() == 1 else t.chunk(n, dim=_meta_shard_dim(key))[rank]).clone() for key, t in state.items()}
+        for rank in range(n)
+    ]
+
+
+def _meta_shard_dim(key: str) -> int:
+    name = key.split(".")[-2]  # layers.0.attention.wq.weight -> wq; output.weight -> output
+    if name not in _META_SHARD_DIM:
+        raise ValueError(f"tensor {key} is not part of a Meta Llama checkpoint")
+    return _META_SHARD_DIM[name]
+
+
+def _read_json(file: Path) -> dict:
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found")
+    try:
+        return json.loads(file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON ({e})") from None
+
+
+def _read_safetensors(file: Path) -> dict:
+    """All tensors of a safetensors file, memory-mapped (read from disk when first used)."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found")
+    try:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file} is truncated or corrupt ({e}); download or convert it again") from None
+
+
+def _torch_load(file: Path) -> dict:
+    """A .pth/.bin state dict, memory-mapped. weights_only=True unpickles tensors and plain
+    containers only, so a file carrying code (a pickle __reduce__ payload) is refused unrun."""
+    if not file.is_file():
+        raise FileNotFoundError(f"{file} not found")
+    try:
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{file} holds pickled objects other than tensors (possibly code); refusing to load it") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ValueError ... for torn or foreign files
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{file} is truncated or corrupt ({reason}); download or convert it again") from None
+
+
+# --- Writing -------------------------------------------------------------------------------
+
+
+def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_path=None, shards: int = 1) -> Path:
+    """Write model to the folder path in the given format; returns the folder.
+
+    format is "native", "meta" (params.json + consolidated.NN.pth, split into `shards`
+    model-parallel files as Meta's 13B (2) and 70B (8) are) or "hf" (opens with
+    transformers' LlamaForCausalLM.from_pretrained). tokenizer_path, when given, is copied
+    into the folder as tokenizer.model.
+    """
+    if format not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; use one of {', '.join(FORMATS)}")
+    if shards != 1 and format != "meta":
+        raise ValueError(f"only the meta format is split into model-parallel shards, not {format!r}")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    write = {"native": _write_native, "meta": _write_meta, "hf": _write_hf}[format]
+    write(model, path, shards)
+    if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
+        atomic_write(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+    return path
+
+
+def _write_native(model: Transformer, path: Path, shards: int) -> None:
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config = {"llama_mini": dataclasses.asdict(model.args)}
+    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+
+
+def _write_meta(model: Transformer, path: Path, shards: int) -> None:
+    args = model.args
+    if args.norm != "rmsnorm":
+        raise ValueError(f"Meta's format has RMSNorm only; this model uses {args.norm!r}")
+    for what, size in (("n_kv_heads", args.n_kv_heads), ("dim", args.dim), ("vocab_size", args.vocab_size), ("ffn dim", args.ffn_dim)):
+        if size % shards:
+            raise ValueError(f"cannot split into {shards} model-parallel shards: {what} {size} is not divisible by {shards}")
+    atomic_write(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(args), indent=2)))
+    # A tied output head is stored twice: Meta's format has no tying.
+    for rank, shard in enumerate(split_meta_shards(model.state_dict(), shards)):
+        atomic_write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
+
+
+def meta_params(args: ModelArgs) -> dict:
+    """ModelArgs -> Meta's params.json: only fields Meta's own ModelArgs knows.
+
+    A SwiGLU size stated outright (hidden_dim, from an HF config) that Meta's rule does not
+    give from multiple_of is written as multiple_of = that size: the rule then rounds
+    int(8 * dim / 3), scaled below it by ffn_dim_multiplier where needed, up to exactly it.
+    """
+    params = {"dim": args.dim, "n_layers": args.n_layers, "n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+              "vocab_size": args.vocab_size, "multiple_of": args.multiple_of, "norm_eps": args.norm_eps}
+    multiplier = args.ffn_dim_multiplier
+    if ffn_hidden_dim(args.dim, args.multiple_of, multiplier) != args.ffn_dim:
+        base = int(2 * (4 * args.dim) / 3)
+        params["multiple_of"] = args.ffn_dim
+        multiplier = args.ffn_dim / base if base > args.ffn_dim else None
+    if multiplier is not None:
+        params["ffn_dim_multiplier"] = multiplier
+    if args.rope_theta != 10000.0:
+        params["rope_theta"] = args.rope_theta
+    if args.use_scaled_rope:
+        params["use_scaled_rope"] = True
+    return params
+
+
+def _write_hf(model: Transformer, path: Path, shards: int) -> None:
+    state = {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.args).items()}
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config = hf_config_from_args(model.args)
+    config["torch_dtype"] = str(model.output.weight.dtype).removeprefix("torch.")
+    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import fused_rmsnorm
+
 NORMS = ("rmsnorm", "prmsnorm", "layernorm", "none")
+# "reference": Meta's eager code. "fused": one pass over memory (llama_mini/fused_rmsnorm.py).
+# "auto": fused where it builds and runs on this machine, else the reference.
+NORM_IMPLS = ("auto", "fused", "reference")
 
 
 @dataclass
@@ -39,6 +44,7 @@ class ModelArgs:
     # Our own fields, for the normalisation ablation and for training from scratch.
     norm: str = "rmsnorm"  # one of NORMS
     norm_p: float = 1.0  # partial RMSNorm: the RMS is taken over the first ceil(dim * p) elements
+    norm_impl: str = "auto"  # RMSNorm kernel, one of NORM_IMPLS: same numbers, different speed
     tie_embeddings: bool = False
 
     def __post_init__(self):
@@ -48,6 +54,8 @@ class ModelArgs:
             raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if not 0.0 < self.norm_p <= 1.0:
             raise ValueError(f"norm_p must be in (0, 1], got {self.norm_p}")
+        if self.norm_impl not in NORM_IMPLS:
+            raise ValueError(f"unknown norm_impl {self.norm_impl!r}; choose one of {', '.join(NORM_IMPLS)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if (self.dim // self.n_heads) % 2:
@@ -77,12 +85,19 @@ class RMSNorm(nn.Module):
 
     With p < 1 this is the paper's partial RMSNorm (eq. 8): the RMS is estimated from the
     first ceil(dim * p) elements only, and all elements are divided by it.
+
+    impl="reference" runs the code below, Meta's, one kernel per operation. impl="fused" runs
+    the same arithmetic in one pass over memory (llama_mini/fused_rmsnorm.py), and
+    impl="auto" (the model's default) takes it where it works, else the reference.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0):
+    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0, impl: str = "reference"):
         super().__init__()
+        if impl not in NORM_IMPLS:
+            raise ValueError(f"unknown RMSNorm impl {impl!r}; choose one of {', '.join(NORM_IMPLS)}")
         self.eps = eps
         self.p = p
+        self.impl = impl
         self.n_rms = dim if p >= 1.0 else math.ceil(dim * p)
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -91,20 +106,35 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
+        if self.impl != "reference" and self._fusable(x):
+            return fused_rmsnorm.rms_norm_fused(x, self.weight, self.eps, self.n_rms)
         # Meta's self._norm(x.float()).type_as(x); float64 stays float64 so gradcheck can run.
         output = self._norm(x if x.dtype == torch.float64 else x.float()).type_as(x)
         return output * self.weight
 
+    def _fusable(self, x) -> bool:
+        """Whether the fused kernel takes x. Under torch.compile the reference code is
+        used: Inductor fuses it by itself, and an opaque kernel would break the graph."""
+        if torch.compiler.is_compiling():
+            return False
+        reason = fused_rmsnorm.unavailable_reason(x, self.weight)
+        if reason is None:
+            return True
+        if self.impl == "fused":
+            raise RuntimeError(f"RMSNorm(impl='fused') cannot run here: {reason}; use impl='auto' to fall back")
+        fused_rmsnorm.notice_fallback(reason)
+        return False
+
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}, impl={self.impl}"
 
 
 def build_norm(args: ModelArgs) -> nn.Module:
     """The normalisation layer named by args.norm: the one switch of the ablation."""
     if args.norm == "rmsnorm":
-        return RMSNorm(args.dim, args.norm_eps)
+        return RMSNorm(args.dim, args.norm_eps, impl=args.norm_impl)
     if args.norm == "prmsnorm":
-        return RMSNorm(args.dim, args.norm_eps, p=args.norm_p)
+        return RMSNorm(args.dim, args.norm_eps, p=args.norm_p, impl=args.norm_impl)
     if args.norm == "layernorm":
         return nn.LayerNorm(args.dim, eps=args.norm_eps)
     return nn.Identity()  # "none": the paper's baseline without normalisation
@@ -156,6 +186,8 @@ def apply_rotary_emb(x, cos, sin):
 
 # --- Attention ---------------------------------------------------------------------------
 
+_SDPA_HAS_GQA = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa is new in 2.5
+
 
 class KVCache(nn.Module):
     """Keys and values of past positions, allocated once for the longest sequence.
@@ -203,17 +235,23 @@ class Attention(nn.Module):
         if start_pos is not None:
             k, v = self.cache.update(start_pos, k, v)
         # Grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads.
-        n_rep = self.n_heads // self.n_kv_heads
-        if n_rep > 1:
-            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        # SDPA can read the shared heads in place (enable_gqa); copying them out with
+        # repeat_interleave would copy the whole cache on every decoding step.
+        gqa = {}
+        if self.n_heads != self.n_kv_heads:
+            if _SDPA_HAS_GQA:
+                gqa = {"enable_gqa": True}
+            else:
+                n_rep = self.n_heads // self.n_kv_heads
+                k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
         if not start_pos:  # the whole sequence from position 0: plain causal attention
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         elif T == 1:  # one new token attends to everything cached
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, **gqa)
         else:  # a chunk after cached positions: query i sees keys up to start_pos + i
             mask = torch.ones(T, start_pos + T, dtype=torch.bool, device=x.device).tril(start_pos)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -310,12 +348,14 @@ class Transformer(nn.Module):
             attn = layer.attention
             attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, weight.device, weight.dtype)
 
-    def forward(self, tokens, start_pos: Optional[int] = None):
+    def forward(self, tokens, start_pos: Optional[int] = None, last_only: bool = False):
         """tokens (B, T) -> float32 logits (B, T, vocab_size).
 
         With start_pos=None the sequence is processed on its own and no cache is touched
         (training, scoring). With start_pos=n the tokens sit at positions n..n+T-1, their
         keys and values are stored in the cache, and earlier positions are read from it.
+        last_only=True returns the logits of the last position only, (B, 1, vocab_size):
+        all that sampling needs, without the output matmul over a whole prompt.
         """
         B, T = tokens.shape
         pos = start_pos or 0
@@ -327,4 +367,6 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos)
+        if last_only:
+            h = h[:, -1:]
         return self.output(self.norm(h)).float()

@@ -48,7 +48,7 @@ class Tokenizer:
             first = {"role": dialog[1]["role"], "content": B_SYS + dialog[0]["content"] + E_SYS + dialog[1]["content"]}
             dialog = [first] + dialog[2:]
         roles = [turn["role"] for turn in dialog]
-        if not dialog or roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
+        if len(dialog) % 2 == 0 or roles[::2] != ["user"] * len(roles[::2]) or roles[1::2] != ["assistant"] * len(roles[1::2]):
             raise ValueError("dialog turns must alternate user/assistant, starting and ending with user")
         ids = []
         for prompt, answer in zip(dialog[::2], dialog[1::2]):

@@ -1,0 +1,93 @@
+"""Training speed: tokens/s and model FLOPs utilisation (MFU) for a few model sizes.
+
+Each size runs the real training step of train.py (Trainer.train_step: AdamW, clipping,
+bf16 autocast on CUDA) on the built-in stories, on whatever device is present. MFU is the
+model's FLOPs per second (PaLM's 6N + attention estimate, llama_mini.training.flops_per_token)
+divided by the peak this device reaches on a large matmul in the same dtype, measured right
+after each size, so the ratio needs no datasheet and sees the same load from other processes.
+
+    python bench/train_speed.py                 # sizes that suit the device
+    python bench/train_speed.py --compile       # with torch.compile
+    python bench/train_speed.py --dtype bfloat16  # bf16 autocast (CPUs with AMX gain ~2x)
+"""
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from llama_mini.training import TrainConfig, Trainer, flops_per_token, pick_device  # noqa: E402
+
+# (name, dim, n_layers, n_heads, seq_len, batch_size)
+SIZES = {
+    "cpu": [("1M", 128, 4, 4, 256, 16), ("5M", 256, 6, 8, 256, 16), ("20M", 512, 6, 8, 256, 8)],
+    "gpu": [("20M", 512, 6, 8, 1024, 32), ("110M", 768, 12, 12, 1024, 32), ("350M", 1024, 24, 16, 1024, 16)],
+}
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def matmul_peak(device, dtype, n=4096, repeats=10) -> float:
+    """FLOP/s of an n x n matmul: the best this device does on dense math in this dtype."""
+    n = n if device.type != "cpu" else 2048
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def tokens_per_second(cfg: TrainConfig, warmup: int, steps: int):
+    trainer = Trainer(cfg)
+    for _ in range(warmup):  # first steps allocate, and compile under --compile
+        trainer.train_step()
+    synchronize(trainer.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        trainer.train_step()
+    synchronize(trainer.device)
+    seconds = time.perf_counter() - start
+    return trainer, cfg.batch_size * cfg.seq_len * steps / seconds
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default=None, help="cuda, mps or cpu (default: the first available)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per size")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="as train.py's --dtype")
+    p.add_argument("--compile", action="store_true")
+    args = p.parse_args()
+    device = pick_device(args.device, 0)
+    sizes = SIZES["cpu" if device.type == "cpu" else "gpu"]
+    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    print(f"device {device} ({'bfloat16 autocast' if bf16 else 'float32'}), {torch.get_num_threads()} CPU threads")
+    header = ("size", "params", "dim", "layers", "seq", "batch", "tokens/s", "TFLOP/s", "peak", "MFU")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (6, 8, 5, 6, 5, 5, 10, 8, 8, 6))))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, dim, n_layers, n_heads, seq_len, batch_size in sizes:
+            cfg = TrainConfig(
+                dim=dim, n_layers=n_layers, n_heads=n_heads, seq_len=seq_len, batch_size=batch_size, vocab_size=1024,
+                device=str(device), dtype=args.dtype, compile=args.compile, out=f"{tmp}/{name}", cache_dir=f"{tmp}/cache",
+            )
+            trainer, tok_s = tokens_per_second(cfg, warmup=3 if not args.compile else 5, steps=args.steps)
+            peak = matmul_peak(device, torch.bfloat16 if bf16 else torch.float32)  # right after: the same load
+            flops = flops_per_token(trainer.args, seq_len) * tok_s
+            print(f"{name:>6} {trainer.n_params / 1e6:>7.1f}M {dim:>5} {n_layers:>6} {seq_len:>5} {batch_size:>5} "
+                  f"{tok_s:>10,.0f} {flops / 1e12:>8.3f} {peak / 1e12:>8.3f} {flops / peak:>6.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Convert a checkpoint between formats: python -m llama_mini.convert SRC DST --to native|meta|hf
+
+    python -m llama_mini.convert out/run llama-hf --to hf          # a model trained here, for transformers
+    python -m llama_mini.convert llama-2-13b llama-2-13b-hf --to hf  # Meta's 2 shards -> one HF folder
+    python -m llama_mini.convert llama-2-7b-hf llama-2-7b --to meta --shards 2
+
+The tokenizer.model found with SRC (in it or its parent) is copied into DST.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from .checkpoint import DTYPES, FORMATS, find_tokenizer, load_checkpoint, save_checkpoint
+
+
+def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None, max_seq_len=None) -> Path:
+    """Load src (any format) and write it to the new folder dst in format `to`."""
+    dst = Path(dst)
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise ValueError(f"{dst} already exists and is not an empty folder; choose a new destination")
+    tokenizer_path = tokenizer_path or find_tokenizer(src)
+    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path)
+    return save_checkpoint(model, dst, format=to, tokenizer_path=tokenizer_path, shards=shards)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m llama_mini.convert", description=__doc__.split("\n\n")[0])
+    p.add_argument("src", help="checkpoint folder: llama_mini run or checkpoint, Meta, or Hugging Face")
+    p.add_argument("dst", help="new folder to write")
+    p.add_argument("--to", required=True, choices=FORMATS)
+    p.add_argument("--shards", type=int, default=1, help="model-parallel files for --to meta (13B: 2, 70B: 8)")
+    p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
+    p.add_argument("--tokenizer", help="tokenizer.model (default: the one in SRC or its parent)")
+    p.add_argument("--max-seq-len", type=int, help="context length to record (default: SRC's, or 4096)")
+    args = p.parse_args(argv)
+    if args.shards < 1:
+        p.error(f"--shards must be >= 1, got {args.shards}")
+    if args.shards > 1 and args.to != "meta":
+        p.error("--shards applies to --to meta only")
+    out = convert(args.src, args.dst, args.to, args.shards, DTYPES.get(args.dtype), args.tokenizer, args.max_seq_len)
+    print(f"wrote {args.to} checkpoint to {out}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,251 @@
+// Fused RMSNorm for CPU: one pass over memory forward, one pass backward.
+//
+// Meta's eager RMSNorm runs a kernel per operation (float, pow, mean, add, rsqrt, mul,
+// type_as, mul), each reading and writing the whole activation. Here each row is read
+// once into cache, its statistic computed in float32 (float64 for float64 inputs), and
+// the output written once.
+//
+// The forward pass gives Meta's result bit for bit on the CPU it was built for: it sums
+// the squares in the order torch's CPU sum kernel does (see sum_squares), and rounds
+// where Meta's code rounds: x * rstd to the input dtype (type_as), then the product with
+// the weight to the output dtype. Built with -ffp-contract=off so that no multiply-add is
+// fused behind our back: torch rounds x*x before adding it.
+//
+// Plain C ABI over raw pointers, loaded with ctypes by llama_mini/fused_rmsnorm.py: no
+// torch or Python headers, so it builds in about a second with any C++17 compiler. OpenMP
+// threads come from the libgomp torch already loaded, so there is one thread pool.
+//
+// Backward, with g = dy * w, r = rstd and k = n_rms (the partial-RMSNorm prefix):
+//   dx_j = r * g_j - [j < k] * x_j * r^3 / k * sum_i g_i x_i
+//   dw_j = sum over rows of dy_j * round(x_j * r)
+// dw is accumulated per thread in blocks of rows (float32 sums of 32 rows, then of the
+// blocks), which keeps its rounding error near that of torch's cascade sums.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
+namespace {
+
+struct bf16 {
+    uint16_t bits;
+};
+using f16 = _Float16;
+
+// Storage type <-> compute type. bf16 rounds to nearest even, NaN stays NaN, as torch does.
+template <typename T> struct io {
+    static T load(T v) { return v; }
+    template <typename A> static T store(A v) { return static_cast<T>(v); }
+};
+template <> struct io<f16> {
+    static float load(f16 v) { return static_cast<float>(v); }
+    static f16 store(float v) { return static_cast<f16>(v); }
+};
+template <> struct io<bf16> {
+    static float load(bf16 v) {
+        uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+        float f;
+        std::memcpy(&f, &u, sizeof f);
+        return f;
+    }
+    static bf16 store(float f) {
+        uint32_t u;
+        std::memcpy(&u, &f, sizeof u);
+        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+        return bf16{static_cast<uint16_t>(f != f ? 0x7FC0u : rounded)};
+    }
+};
+
+template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T> inline acc_t<T> square(const T* x, int64_t i) {
+    acc_t<T> v = io<T>::load(x[i]);
+    return v * v;
+}
+
+int64_t ceil_log2(int64_t n) {  // c10's CeilLog2: 1 for n <= 2
+    int64_t p = 1;
+    while ((int64_t(1) << p) < n) ++p;
+    return p;
+}
+
+// sum(x[i]^2 for i < n) added in the order of torch's CPU cascade_sum for a contiguous
+// row (aten/src/ATen/native/cpu/SumKernel.cpp: vectorized_inner_sum -> row_sum ->
+// multi_row_sum): L-lane vectors, four of them in flight, partial sums cascaded over four
+// levels, then the scalar tail, then the lanes. L is torch's Vectorized width (16 floats
+// with AVX-512, 8 with AVX2); rows shorter than a vector are summed with L = 1, as torch
+// does. Any order would be as accurate; this one reproduces torch.mean exactly.
+template <int L, typename T> acc_t<T> sum_squares(const T* x, int64_t n) {
+    using A = acc_t<T>;
+    constexpr int levels = 4, ilp = 4;
+    const int64_t vectors = n / L, groups = vectors / ilp;
+    const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / levels);
+    const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+    A acc[levels][ilp][L] = {};
+    int64_t i = 0;
+    while (i + level_step <= groups) {
+        for (int64_t j = 0; j < level_step; ++j, ++i)
+            for (int k = 0; k < ilp; ++k)
+#pragma omp simd
+                for (int l = 0; l < L; ++l) acc[0][k][l] += square(x, (i * ilp + k) * L + l);
+        for (int j = 1; j < levels; ++j) {
+            for (int k = 0; k < ilp; ++k)
+                for (int l = 0; l < L; ++l) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < groups; ++i)
+        for (int k = 0; k < ilp; ++k)
+            for (int l = 0; l < L; ++l) acc[0][k][l] += square(x, (i * ilp + k) * L + l);
+    for (int j = 1; j < levels; ++j)
+        for (int k = 0; k < ilp; ++k)
+            for (int l = 0; l < L; ++l) acc[0][k][l] += acc[j][k][l];
+    for (int64_t v = groups * ilp; v < vectors; ++v)  // vectors left over from the groups
+        for (int l = 0; l < L; ++l) acc[0][0][l] += square(x, v * L + l);
+    for (int k = 1; k < ilp; ++k)
+        for (int l = 0; l < L; ++l) acc[0][0][l] += acc[0][k][l];
+    A total = 0;
+    for (int64_t e = vectors * L; e < n; ++e) total += square(x, e);  // the scalar tail
+    for (int l = 0; l < L; ++l) total += acc[0][0][l];
+    return total;
+}
+
+template <typename T> acc_t<T> sum_squares(const T* x, int64_t n, int lanes) {
+    if (n < lanes) lanes = 1;
+    switch (lanes) {
+        case 16: return sum_squares<16>(x, n);
+        case 8: return sum_squares<8>(x, n);
+        case 4: return sum_squares<4>(x, n);
+        case 2: return sum_squares<2>(x, n);
+        default: return sum_squares<1>(x, n);
+    }
+}
+
+// x: input dtype T; w: weight dtype W; y: output dtype O (Meta's type promotion of T and W).
+template <typename T, typename W, typename O>
+void forward(const T* x, const W* w, O* y, void* rstd_out, int64_t rows, int64_t dim,
+             int64_t n_rms, double eps, int lanes, int threads) {
+    using A = acc_t<T>;
+    A* rstd = static_cast<A*>(rstd_out);
+    const A eps_a = static_cast<A>(eps);
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const T* xr = x + r * dim;
+        O* yr = y + r * dim;
+        // Meta: torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps); torch's mean is sum / n.
+        const A s = A(1) / std::sqrt(sum_squares(xr, n_rms, lanes) / static_cast<A>(n_rms) + eps_a);
+        rstd[r] = s;
+#pragma omp simd
+        for (int64_t j = 0; j < dim; ++j) {
+            A normed = io<T>::load(io<T>::store(io<T>::load(xr[j]) * s));  // Meta's type_as(x)
+            yr[j] = io<O>::store(normed * static_cast<A>(io<W>::load(w[j])));
+        }
+    }
+}
+
+constexpr int64_t DW_BLOCK = 32;  // rows summed before joining the thread's running dw
+
+template <typename T, typename W, typename O>
+void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W* dw,
+              void* partial_buf, int64_t rows, int64_t dim, int64_t n_rms, int threads) {
+    using A = acc_t<T>;
+    const A* rstd = static_cast<const A*>(rstd_in);
+    A* partial = static_cast<A*>(partial_buf);  // (threads, 2, dim): running dw and block dw
+    int64_t used = 1;  // how many threads the runtime gave us
+#pragma omp parallel num_threads(threads)
+    {
+        int64_t nt = 1, tid = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        tid = omp_get_thread_num();
+#endif
+        if (tid == 0) used = nt;
+        A* dw_total = partial + tid * 2 * dim;
+        A* dw_block = dw_total + dim;
+        std::fill(dw_total, dw_total + dim, A(0));
+        const int64_t chunk = (rows + nt - 1) / nt;  // contiguous rows per thread
+        const int64_t begin = std::min(rows, tid * chunk), end = std::min(rows, begin + chunk);
+        for (int64_t b = begin; b < end; b += DW_BLOCK) {
+            std::fill(dw_block, dw_block + dim, A(0));
+            for (int64_t r = b; r < std::min(end, b + DW_BLOCK); ++r) {
+                const O* dyr = dy + r * dim;
+                const T* xr = x + r * dim;
+                T* dxr = dx + r * dim;
+                const A s = rstd[r];
+                A gx = 0;
+#pragma omp simd reduction(+ : gx)
+                for (int64_t j = 0; j < dim; ++j)
+                    gx += A(io<O>::load(dyr[j])) * A(io<W>::load(w[j])) * A(io<T>::load(xr[j]));
+                const A c = s * s * s * gx / static_cast<A>(n_rms);
+#pragma omp simd
+                for (int64_t j = 0; j < dim; ++j) {
+                    A xv = io<T>::load(xr[j]);
+                    A dyv = io<O>::load(dyr[j]);
+                    A d = s * (dyv * A(io<W>::load(w[j]))) - (j < n_rms ? c * xv : A(0));
+                    dxr[j] = io<T>::store(d);
+                    dw_block[j] += dyv * io<T>::load(io<T>::store(xv * s));
+                }
+            }
+#pragma omp simd
+            for (int64_t j = 0; j < dim; ++j) dw_total[j] += dw_block[j];
+        }
+    }
+    // After the join (the only synchronisation): the threads' sums, in thread order.
+    for (int64_t j = 0; j < dim; ++j) {
+        A total = 0;
+        for (int64_t t = 0; t < used; ++t) total += partial[t * 2 * dim + j];
+        dw[j] = io<W>::store(total);
+    }
+}
+
+}  // namespace
+
+// Outputs are fresh allocations, and on Linux the first write to each fresh 4 KB page
+// faults into the kernel, which zeroes and maps it: for a 64 MB output that costs more than
+// the normalisation itself. Asking for 2 MB pages on the buffer's aligned interior cuts
+// the faults 512-fold. A hint only: the OS may ignore it, and results do not depend on it.
+extern "C" void rms_norm_advise_huge_pages(void* p, int64_t nbytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+    const uintptr_t huge = uintptr_t(1) << 21;
+    uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
+    uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(nbytes)) & ~(huge - 1);
+    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)nbytes;
+#endif
+}
+
+// One exported pair per (input, weight) dtype combination; the Python side picks by name.
+#define RMS_NORM_EXPORT(NAME, T, W, O)                                                          \
+    extern "C" void rms_norm_fwd_##NAME(const void* x, const void* w, void* y, void* rstd,      \
+                                        int64_t rows, int64_t dim, int64_t n_rms, double eps,   \
+                                        int lanes, int threads) {                               \
+        forward<T, W, O>(static_cast<const T*>(x), static_cast<const W*>(w), static_cast<O*>(y), \
+                         rstd, rows, dim, n_rms, eps, lanes, threads);                          \
+    }                                                                                           \
+    extern "C" void rms_norm_bwd_##NAME(const void* dy, const void* x, const void* w,          \
+                                        const void* rstd, void* dx, void* dw, void* partial,    \
+                                        int64_t rows, int64_t dim, int64_t n_rms, int threads) { \
+        backward<T, W, O>(static_cast<const O*>(dy), static_cast<const T*>(x),                  \
+                          static_cast<const W*>(w), rstd, static_cast<T*>(dx),                  \
+                          static_cast<W*>(dw), partial, rows, dim, n_rms, threads);             \
+    }
+
+RMS_NORM_EXPORT(float32_float32, float, float, float)
+RMS_NORM_EXPORT(float64_float64, double, double, double)
+RMS_NORM_EXPORT(bfloat16_bfloat16, bf16, bf16, bf16)
+RMS_NORM_EXPORT(float16_float16, f16, f16, f16)
+RMS_NORM_EXPORT(bfloat16_float32, bf16, float, float)
+RMS_NORM_EXPORT(float16_float32, f16, float, float)

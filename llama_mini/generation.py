@@ -1,0 +1,170 @@
+"""Autoregressive sampling with a preallocated KV cache, as in Meta's generation.py.
+
+Rows of different lengths need no padding: every row starts at position 0, the batch is
+read up to the shortest prompt in one forward pass, and from then on one position is
+decoded per step. A row whose prompt is longer keeps feeding its own prompt tokens until
+they run out (Meta's input_text_mask), so all rows share one cache and none sees padding.
+"""
+
+from typing import Iterable, Iterator, Optional
+
+import torch
+
+from .model import Transformer
+
+
+def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int]) -> None:
+    """Refuse sampling settings that mean nothing, with the valid range in the message."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
+    if top_k is not None and top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 or None keeps every token), got {top_k}")
+
+
+def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """Logits with everything below the k-th largest of each row set to -inf (ties kept)."""
+    if not k or k >= logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p_filter(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Nucleus filtering (Holtzman et al., 2019) exactly as Meta's sample_top_p: a token is
+    kept when the tokens more likely than it hold at most p of the mass, so the token that
+    crosses p is kept. The rest are zeroed and the kept ones renormalised. probs: (..., vocab)."""
+    if p >= 1.0:
+        return probs
+    sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+    before = sorted_probs.cumsum(dim=-1) - sorted_probs  # the mass of the more likely tokens
+    sorted_probs = sorted_probs.masked_fill(before > p, 0.0)
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] = None, generator=None):
+    """Next token ids (B,) from last-position logits (B, vocab). temperature 0 is argmax."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(top_k_filter(logits.float() / temperature, top_k), dim=-1)
+    probs = top_p_filter(probs, top_p)
+    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+
+
+def generate(
+    model: Transformer,
+    prompt_tokens: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    top_k: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> list[list[int]]:
+    """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
+
+    prompt_tokens may have rows of different lengths; each row stops at its own EOS. With
+    eos_id=None nothing stops early and every row gets exactly max_new_tokens. Sampling
+    draws from a private torch.Generator (seeded by seed, or randomly when seed is None),
+    so the same seed gives the same text and the global RNG is left alone.
+    """
+    out = [[] for _ in prompt_tokens]
+    for step in generate_stream(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, seed):
+        for row, token in zip(out, step):
+            if token is not None:
+                row.append(token)
+    return out
+
+
+def generate_stream(
+    model: Transformer,
+    prompt_tokens: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = 0.6,
+    top_p: float = 0.9,
+    top_k: Optional[int] = None,
+    eos_id: Optional[int] = None,
+    seed: Optional[int] = None,
+) -> Iterator[list[Optional[int]]]:
+    """generate, one decoding step at a time, for printing text as it comes.
+
+    Yields a list with one entry per row: the row's new token, or None where the row has
+    none at this step (it is still reading its longer prompt, or it has finished). The
+    arguments are checked here, before the first step.
+    """
+    check_sampling_args(temperature, top_p, top_k)
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
+        raise ValueError("every prompt needs at least one token (e.g. BOS)")
+    longest, context = max(len(p) for p in prompt_tokens), model.args.max_seq_len
+    if longest + max_new_tokens > context:
+        raise ValueError(
+            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the context of "
+            f"{context} tokens; shorten the prompt or lower max_new_tokens"
+        )
+    generator = torch.Generator(device=model.tok_embeddings.weight.device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator)
+
+
+@torch.inference_mode()
+def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator):
+    device = model.tok_embeddings.weight.device
+    lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
+    B, total_len = len(prompt_tokens), int(lengths.max()) + max_new_tokens
+    tokens = torch.zeros(B, total_len, dtype=torch.long, device=device)
+    for row, prompt in enumerate(prompt_tokens):
+        tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    # Allocated once, just long enough: each step writes one position and reads the rest,
+    # so after the first token no step recomputes anything of the prompt.
+    model.setup_cache(B, total_len)
+
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    prev_pos = 0
+    for cur_pos in range(int(lengths.min()), total_len if max_new_tokens else 0):
+        # The first step reads every row up to the shortest prompt at once; later steps read
+        # the one token written at the step before.
+        logits = model(tokens[:, prev_pos:cur_pos], start_pos=prev_pos, last_only=True)[:, -1]
+        if not torch.isfinite(logits).all():  # argmax would pick garbage, multinomial would crash
+            raise ValueError(
+                f"the model's logits at position {cur_pos} are NaN or infinite: its weights hold NaN/inf (a "
+                f"damaged checkpoint) or {model.output.weight.dtype} overflowed; try another checkpoint or float32"
+            )
+        next_token = sample(logits, temperature, top_p, top_k, generator)
+        in_prompt = cur_pos < lengths
+        next_token = torch.where(in_prompt, tokens[:, cur_pos], next_token)
+        tokens[:, cur_pos] = next_token
+        fresh = ~in_prompt & ~done
+        stop = fresh & (next_token == eos_id) if eos_id is not None else torch.zeros_like(done)
+        yield [t if new else None for t, new in zip(next_token.tolist(), (fresh & ~stop).tolist())]
+        done |= stop | (cur_pos + 1 >= lengths + max_new_tokens)
+        if done.all():
+            break
+        prev_pos = cur_pos
+
+
+def stream_text(tokenizer, token_ids: Iterable[int], context_id: int) -> Iterator[str]:
+    """Decode token ids into text pieces as they arrive, for printing without waiting.
+
+    Decoding tokens one by one is wrong twice over with SentencePiece: a piece's leading
+    space ("▁time") is dropped at the start of a decode, and a character spelled in
+    byte-fallback tokens (<0xF0><0x9F><0x99><0x82> for one emoji) is not text until its last
+    byte. So each new token is decoded together with the token before it (context_id, the
+    prompt's last, at first) and only the added text is emitted, and a piece that ends in
+    an unfinished character (U+FFFD) is held back until the character completes.
+    """
+    window = [context_id]
+    for token in token_ids:
+        window.append(token)
+        text = tokenizer.decode(window)
+        if not text.endswith("\ufffd"):
+            yield text[len(tokenizer.decode(window[:1])):]
+            window = [token]
+    if len(window) > 1:  # bytes that never formed a character: emit them as U+FFFD
+        yield tokenizer.decode(window)[len(tokenizer.decode(window[:1])):]

@@ -1,0 +1,233 @@
+"""Hostile input: each bad file or value the README promises to refuse, as a table.
+
+Every row runs the real CLI in a subprocess and checks three things: a non-zero exit code,
+no Traceback on stderr, and a message that names the problem. Crash safety (kill -9 and
+resume), Ctrl-C and non-finite losses are proven in test_training.py.
+"""
+
+import os
+import pickle
+import resource
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import llama_mini
+from llama_mini import ModelArgs, Transformer
+from llama_mini.checkpoint import save_checkpoint
+from llama_mini.run_lock import RunLock
+from llama_mini.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
+
+
+def run(script, *args, timeout=120, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def assert_refused(result, fragment):
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    assert fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) <= 2, result.stderr  # a loading line at most, then the error
+
+
+# --- Checkpoints and generate.py ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny model in all three formats with its tokenizer, and a second, different tokenizer."""
+    root = tmp_path_factory.mktemp("ckpts")
+    tok = Tokenizer.train(TEXT.split(". "), vocab_size=300, model_path=root / "tok.model")
+    Tokenizer.train(TEXT.split(". "), vocab_size=350, model_path=root / "other.model")
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tok.n_words, max_seq_len=64))
+    for fmt in ("native", "meta", "hf"):
+        save_checkpoint(model, root / fmt, format=fmt, tokenizer_path=tok.model_path)
+    return root
+
+
+def broken_copy(files, tmp_path, fmt, damage):
+    """A copy of the checkpoint in format fmt, with damage(folder) applied."""
+    folder = tmp_path / fmt
+    shutil.copytree(files / fmt, folder)
+    damage(folder)
+    return folder
+
+
+def truncate(file):
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+
+
+def garbage_header(file):
+    file.write_bytes((1000).to_bytes(8, "little") + b"{not json at all" + bytes(2000))
+
+
+def edit_json(file, **changes):
+    import json
+
+    file.write_text(json.dumps({**json.loads(file.read_text()), **changes}))
+
+
+def nan_weights(folder):
+    state = load_file(folder / "model.safetensors")
+    state["norm.weight"] = torch.full_like(state["norm.weight"], float("nan"))
+    from safetensors.torch import save_file
+
+    save_file(state, folder / "model.safetensors")
+
+
+class Payload:
+    """Unpickling this would run code: it creates the file named in marker."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+BAD_CHECKPOINTS = {
+    # name: (format, damage, expected fragment of the error)
+    "truncated safetensors": ("native", lambda d: truncate(d / "model.safetensors"), "is truncated or corrupt"),
+    "garbage safetensors header": ("native", lambda d: garbage_header(d / "model.safetensors"), "is truncated or corrupt"),
+    "truncated pth": ("meta", lambda d: truncate(d / "consolidated.00.pth"), "consolidated.00.pth is truncated or corrupt"),
+    "params.json disagrees": ("meta", lambda d: edit_json(d / "params.json", n_kv_heads=1), "has shape (32, 32) but the config implies (16, 32)"),
+    "config.json disagrees": ("hf", lambda d: edit_json(d / "config.json", intermediate_size=64), "tensor layers.0.feed_forward.w2.weight has shape (32, 256) but the config implies (32, 64)"),
+    "missing tokenizer": ("native", lambda d: (d / "tokenizer.model").unlink(), "no tokenizer.model in"),
+    "unknown format": ("native", lambda d: (d / "config.json").unlink(), "not a checkpoint folder of a known format"),
+    "nan weights": ("native", nan_weights, "NaN"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CHECKPOINTS)
+def test_bad_checkpoint_is_refused_in_one_line(files, tmp_path, case):
+    fmt, damage, fragment = BAD_CHECKPOINTS[case]
+    folder = broken_copy(files, tmp_path, fmt, damage)
+    assert_refused(run("generate.py", "--ckpt", folder, "--prompt", "Tom", "--max-new-tokens", 4), fragment)
+
+
+def test_missing_checkpoint_is_refused(tmp_path):
+    assert_refused(run("generate.py", "--ckpt", tmp_path / "nope", "--prompt", "Tom"), f"checkpoint not found: {tmp_path / 'nope'}")
+
+
+def test_tokenizer_with_another_vocabulary_is_refused(files):
+    result = run("generate.py", "--ckpt", files / "native", "--tokenizer", files / "other.model", "--prompt", "Tom")
+    assert_refused(result, "has 350 tokens but the model's vocabulary has 300")
+
+
+def test_pickle_payload_is_refused_and_never_runs(files, tmp_path):
+    marker = tmp_path / "payload-ran"
+    folder = broken_copy(files, tmp_path, "meta", lambda d: torch.save({"x": Payload(marker)}, d / "consolidated.00.pth"))
+    result = run("generate.py", "--ckpt", folder, "--prompt", "Tom")
+    assert_refused(result, "holds pickled objects other than tensors (possibly code); refusing to load it")
+    assert not marker.exists()
+    pickle.loads(pickle.dumps(Payload(marker)))  # plain unpickling of the same object runs it
+    assert marker.exists()
+
+
+@pytest.mark.parametrize(
+    "flag, value, fragment",
+    [
+        ("--temperature", "-0.5", "--temperature must be >= 0"),
+        ("--top-p", "0", "--top-p must be in (0, 1]"),
+        ("--top-p", "1.5", "--top-p must be in (0, 1]"),
+        ("--top-k", "-1", "--top-k must be >= 0"),
+        ("--max-new-tokens", "0", "--max-new-tokens must be >= 1"),
+    ],
+)
+def test_bad_sampling_argument_is_refused_before_loading(tmp_path, flag, value, fragment):
+    # The checkpoint does not even exist: the argument is checked before any heavy work.
+    assert_refused(run("generate.py", "--ckpt", tmp_path / "nope", "--prompt", "Tom", flag, value), fragment)
+
+
+def test_prompt_longer_than_the_context_is_refused(files):
+    result = run("generate.py", "--ckpt", files / "native", "--prompt", "Tom had a red ball. " * 40)
+    assert_refused(result, "but the context is 64 tokens")
+
+
+# --- train.py ------------------------------------------------------------------------------
+
+TINY_TRAIN = ["--dim", 32, "--n-layers", 1, "--n-heads", 2, "--seq-len", 16, "--batch-size", 4, "--vocab-size", 300,
+              "--eval-iters", 1, "--eval-every", 2, "--sample-tokens", 0, "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def story_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "story.txt"
+    path.write_text(TEXT * 5)
+    return path
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--max-steps", 0], "--max-steps must be a positive integer"),
+        (["--batch-size", -1], "--batch-size must be a positive integer"),
+        (["--seq-len", 0], "--seq-len must be a positive integer"),
+        (["--data", "missing.txt"], "data not found: missing.txt"),
+        (["--data", "empty.txt"], "holds no text"),
+        (["--data", "latin1.txt"], "is not UTF-8 text"),
+    ],
+)
+def test_bad_training_input_is_refused_before_any_work(tmp_path, args, fragment):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "latin1.txt").write_bytes("café au lait".encode("latin-1"))
+    result = run("train.py", *args, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache", cwd=tmp_path)
+    assert_refused(result, fragment)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_second_run_on_the_same_out_is_refused(story_file, tmp_path):
+    with RunLock(tmp_path / "run"):  # a live run holds the folder
+        result = run("train.py", "--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache",
+                     "--max-steps", 2, *TINY_TRAIN)
+    assert_refused(result, f"{tmp_path / 'run' / 'train.lock'} is held by another training run (pid {os.getpid()})")
+    assert not (tmp_path / "run" / "latest").exists()
+
+
+def test_stale_lock_of_a_dead_run_is_taken_over(story_file, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "train.lock").write_text(f"{dead.pid}\n")
+    result = run("train.py", "--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache",
+                 "--max-steps", 2, "--save-every", 2, *TINY_TRAIN)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one_and_says_why(story_file, tmp_path):
+    common = ["--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache", "--save-every", 2, *TINY_TRAIN]
+    assert run("train.py", *common, "--max-steps", 2).returncode == 0
+    before = load_file(tmp_path / "run" / "step-000002" / "model.safetensors")
+
+    def full_disk():  # files may not grow past 4 KiB: the next weights file cannot be written
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    result = run("train.py", *common, "--max-steps", 4, "--resume", preexec_fn=full_disk)
+    assert_refused(result, "File too large")
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+    model = llama_mini.load_checkpoint(tmp_path / "run")
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    assert not list((tmp_path / "run").glob(".tmp*")) and not list((tmp_path / "run").glob("step-000002/.*tmp*"))
+
+
+def test_generation_from_nan_logits_raises_a_clear_error():
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=50, max_seq_len=32)).eval()
+    with torch.no_grad():
+        model.layers[0].feed_forward.w2.weight.fill_(float("nan"))
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError, match="NaN"):
+            llama_mini.generate(model, [[1, 2, 3]], 5, temperature=temperature)
