@@ -1,12 +1,13 @@
 """Normalisation speed: reference RMSNorm, torch.nn.RMSNorm, fused RMSNorm, nn.LayerNorm.
 
-For each shape and dtype the four implementations run interleaved, round after round, so
-the load from other processes falls on all of them alike; each round's time is divided by
-nn.LayerNorm's time in the same round and the median ratio is printed. GB/s counts the
-bytes a fused kernel must move (forward: read x, write y; backward: read x and dy, write
-dx) and is printed beside a memory copy measured the same way: a copy into a preallocated
-tensor (the bandwidth ceiling) and a clone (which, like every op here, also pays for
-fresh output pages).
+For each shape and dtype the four implementations run interleaved, in a random order each
+round, so the load from other processes falls on all of them alike; each round's time is
+divided by nn.LayerNorm's time in the same round and the median ratio is printed. On CPU
+a fifth column runs the fused kernel without its 2 MB-page hint for large outputs, to
+show what the kernel gains by itself. GB/s counts the bytes a fused kernel must move
+(forward: read x, write y; backward: read x and dy, write dx) and is printed beside a
+memory copy measured the same way: a copy into a preallocated tensor (the bandwidth
+ceiling) and a clone (which, like every op here, also pays for fresh output pages).
 
     python bench/norm_speed.py --quick        # hidden 4096, 4096 tokens: the issue's targets
     python bench/norm_speed.py                # hidden 512-8192 x 1k-32k tokens
@@ -14,6 +15,7 @@ fresh output pages).
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -84,14 +86,16 @@ def without_huge_pages(fn):
 
 
 def interleaved(fns: dict, rounds: int, device) -> dict:
-    """name -> list of times, one per round; the order rotates each round so no
-    implementation always runs right after the same neighbour."""
+    """name -> list of times, one per round, in a fresh random order each round: what ran
+    just before (its freed memory, its cache footprint) changes the next op's time, so no
+    implementation may always follow the same neighbour."""
     for fn in fns.values():  # warm-up: page in weights, build kernels, fill caches
         fn()
     times = {name: [] for name in fns}
-    names = list(fns)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
+    order, rng = list(fns), random.Random(0)
+    for _ in range(rounds):
+        rng.shuffle(order)
+        for name in order:
             times[name].append(timed(fns[name], device))
     return times
 

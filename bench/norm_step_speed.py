@@ -2,8 +2,8 @@
 
 The RMSNorm model uses norm_impl "auto" (the fused kernel, as training does); the same
 model with Meta's eager RMSNorm ("reference") is timed alongside to show what the kernel
-buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in
-rotating order; ratios are per round against the LayerNorm model, median over rounds, so
+buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in a
+random order; ratios are per round against the LayerNorm model, median over rounds, so
 load from other processes falls on all variants alike.
 
     python bench/norm_step_speed.py            # the ablation's model, train.py's and a wider one
@@ -12,6 +12,7 @@ load from other processes falls on all variants alike.
 
 import argparse
 import os
+import random
 import statistics
 import sys
 import time
@@ -77,9 +78,10 @@ def main(argv=None):
             steps[variant], params[variant] = make_step(ModelArgs(**fields, **overrides, max_seq_len=seq_len), batch, seq_len, device)
             steps[variant]()  # warm-up: builds the kernel, touches every buffer
         times = {v: [] for v in steps}
-        names = list(steps)
-        for r in range(rounds):
-            for v in names[r % len(names) :] + names[: r % len(names)]:
+        order, rng = list(steps), random.Random(0)
+        for _ in range(rounds):
+            rng.shuffle(order)  # a fresh order each round: no variant always follows the same one
+            for v in order:
                 start = time.perf_counter()
                 steps[v]()
                 times[v].append(time.perf_counter() - start)

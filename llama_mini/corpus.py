@@ -66,18 +66,21 @@ HOBBIES = (  # (to ..., ...ing)
     ("play with blocks", "playing with blocks"), ("draw pictures", "drawing pictures"),
     ("sing songs", "singing songs"), ("dance in the kitchen", "dancing in the kitchen"),
     ("read books about ships", "reading books about ships"), ("build sandcastles", "building sandcastles"),
-    ("climb trees", "climbing trees"), ("ride a bike", "riding a bike"), ("paint with bright colors", "painting with bright colors"),
+    ("climb trees", "climbing trees"), ("ride a bike", "riding a bike"),
+    ("paint with bright colors", "painting with bright colors"),
     ("jump in puddles", "jumping in puddles"), ("look at the stars", "looking at the stars"),
     ("collect shiny stones", "collecting shiny stones"), ("bake cookies", "baking cookies"),
     ("play hide and seek", "playing hide and seek"), ("swim in the lake", "swimming in the lake"),
     ("run as fast as the wind", "running as fast as the wind"), ("tell silly jokes", "telling silly jokes"),
     ("make music with pots and pans", "making music with pots and pans"), ("plant flowers", "planting flowers"),
-    ("watch the birds", "watching the birds"), ("skip rope", "skipping rope"), ("count the clouds", "counting the clouds"),
+    ("watch the birds", "watching the birds"), ("skip rope", "skipping rope"),
+    ("count the clouds", "counting the clouds"),
     ("fly paper planes", "flying paper planes"), ("dig for treasure", "digging for treasure"),
     ("play the violin", "playing the violin"), ("write little poems", "writing little poems"),
     ("knit colorful socks", "knitting colorful socks"), ("catch butterflies in a net", "catching butterflies in a net"),
     ("roll down grassy hills", "rolling down grassy hills"), ("feed the ducks", "feeding the ducks"),
-    ("make funny faces in the mirror", "making funny faces in the mirror"), ("explore the attic", "exploring the attic"),
+    ("make funny faces in the mirror", "making funny faces in the mirror"),
+    ("explore the attic", "exploring the attic"),
 )
 PARENTS = ("mom", "dad", "grandma", "grandpa", "big sister", "big brother", "aunt", "uncle")
 PLACES = {  # where a scene happens: (phrase, things to see there)
@@ -87,15 +90,20 @@ PLACES = {  # where a scene happens: (phrase, things to see there)
     "river": ("by the river", ("smooth pebbles", "a wooden bridge", "jumping fish", "tall reeds", "a little boat")),
     "farm": ("on the farm", ("a red barn", "noisy chickens", "fat cows", "golden hay", "a muddy tractor")),
     "garden": ("in the garden", ("red roses", "busy bees", "a vegetable patch", "a stone path", "a bird bath")),
-    "meadow": ("in the meadow", ("yellow flowers", "tall grass", "buzzing insects", "white butterflies", "a lonely rock")),
+    "meadow": ("in the meadow",
+        ("yellow flowers", "tall grass", "buzzing insects", "white butterflies", "a lonely rock")),
     "hill": ("on the hill", ("a windmill", "sheep", "a view of the town", "wild berries", "a cold wind")),
-    "playground": ("at the playground", ("a sandpit", "a climbing frame", "a merry-go-round", "children laughing", "a seesaw")),
-    "market": ("at the market", ("fresh bread", "piles of fruit", "busy people", "a man selling hats", "colorful flags")),
+    "playground": ("at the playground",
+        ("a sandpit", "a climbing frame", "a merry-go-round", "children laughing", "a seesaw")),
+    "market": ("at the market",
+        ("fresh bread", "piles of fruit", "busy people", "a man selling hats", "colorful flags")),
     "lake": ("near the lake", ("clear water", "green frogs", "a little dock", "white swans", "dragonflies")),
     "zoo": ("at the zoo", ("a tall giraffe", "sleepy lions", "cheeky monkeys", "a huge elephant", "pink flamingos")),
-    "orchard": ("in the orchard", ("apple trees", "a wooden ladder", "baskets of pears", "fallen leaves", "a hungry goat")),
+    "orchard": ("in the orchard",
+        ("apple trees", "a wooden ladder", "baskets of pears", "fallen leaves", "a hungry goat")),
     "harbor": ("at the harbor", ("fishing boats", "thick ropes", "crying gulls", "a lighthouse", "nets full of fish")),
-    "library": ("at the library", ("tall shelves", "quiet readers", "a sleepy librarian", "old maps", "a reading corner")),
+    "library": ("at the library",
+        ("tall shelves", "quiet readers", "a sleepy librarian", "old maps", "a reading corner")),
     "mountain": ("on the mountain", ("snowy peaks", "a rushing waterfall", "a narrow trail", "eagles", "pine cones")),
     "fair": ("at the fair", ("a big wheel", "candy floss", "a carousel", "balloons", "a juggler")),
     "island": ("on the little island", ("palm trees", "a sandy cove", "a hidden cave", "turtles", "coconuts")),
@@ -121,25 +129,25 @@ OBJECTS = (  # (name, adjectives, tags): the tags say which mishaps can happen t
     ("sock monkey", ("floppy", "stripy", "handmade", "old"), {"drops", "floats"}),
     ("drum", ("toy", "noisy", "tin", "painted"), {"rolls"}),
 )
-MISHAPS = {  # tag -> (what happened, where it ended up, how to get it back)
+MISHAPS = {  # tag -> (what happened, how the friend got it back)
     "rolls": (
-        ("rolled down the hill and into the bushes", "the bushes", "crawled under the thorny branches"),
-        ("bounced away and rolled under a fence", "the fence", "reached under it with a long stick"),
-        ("rolled into a deep ditch", "the ditch", "climbed down carefully and climbed back up"),
+        ("rolled down the hill and into the bushes", "crawled under the thorny branches"),
+        ("bounced away and rolled under a fence", "reached under it with a long stick"),
+        ("rolled into a deep ditch", "climbed down carefully and climbed back up"),
     ),
     "floats": (
-        ("fell into the pond and floated away", "the pond", "used a long branch to pull it back"),
-        ("dropped into the river and drifted off", "the river", "ran along the bank and caught it with a net"),
+        ("fell into the pond and floated away", "used a long branch to pull it back"),
+        ("dropped into the river and drifted off", "ran along the bank and caught it with a net"),
     ),
     "flies": (
-        ("was blown up into a tall tree", "the tree", "climbed up the branches one by one"),
-        ("was carried away by the wind and landed on a roof", "the roof", "fetched a ladder and climbed up"),
-        ("got caught on the top of a lamp post", "the lamp post", "shook the post until it fell down"),
+        ("was blown up into a tall tree", "climbed up the branches one by one"),
+        ("was carried away by the wind and landed on a roof", "fetched a ladder and climbed up"),
+        ("got caught on the top of a lamp post", "shook the post until it fell down"),
     ),
     "drops": (
-        ("slipped into a hole in the ground", "the hole", "lay on the grass and reached deep inside"),
-        ("fell behind a heavy box in the shed", "the shed", "pushed the box away together"),
-        ("was picked up by a cheeky magpie and carried to its nest", "the nest", "traded a shiny button for it"),
+        ("slipped into a hole in the ground", "lay on the grass and reached deep inside"),
+        ("fell behind a heavy box in the shed", "pushed the box away together"),
+        ("was picked up by a cheeky magpie and carried to its nest", "traded a shiny button for it"),
     ),
 }
 FOODS = (
@@ -285,8 +293,8 @@ def end(st: Story, lesson: str) -> None:
 
 def lost_toy(st: Story) -> None:
     name, adjectives, tags = st.pick(OBJECTS)
-    what, where, fix = st.pick(MISHAPS[st.pick(sorted(tags))])
-    st.slots.update(obj=name, obj_adj=st.pick(adjectives), what=what, where=where, fix=fix)
+    what, fix = st.pick(MISHAPS[st.pick(sorted(tags))])
+    st.slots.update(obj=name, obj_adj=st.pick(adjectives), what=what, fix=fix)
     st.say(
         "{hero} had a {obj_adj} {obj} that {his} {parent} had given {him}.",
         "{hero}'s favorite thing in the world was {his} {obj_adj} {obj}.",
@@ -300,19 +308,34 @@ def lost_toy(st: Story) -> None:
         "But then the {obj} {what}!", "Suddenly, the {obj} {what}.",
         "{hero} was not careful, and the {obj} {what}.",
     )
-    st.say("{hero} was very sad, because {he} loved that {obj}.", "{hero} began to cry.", "{hero} felt a big lump in {his} throat.",
-           "Because it was {his} favorite thing, {hero} could not stop crying.")
+    st.say(
+        "{hero} was very sad, because {he} loved that {obj}.", "{hero} began to cry.",
+        "{hero} felt a big lump in {his} throat.", "Because it was {his} favorite thing, {hero} could not stop crying.",
+    )
     st.paragraph()
-    st.quote("{hero}", "My {obj}! I will never get it back!", "Oh no! What am I going to do?", "Can you help me, {friend}?")
-    st.quote("{friend}", "Don't worry, {hero}. I have an idea.", "Don't cry. We can get it back together!", "Let's think.")
+    st.quote(
+        "{hero}", "My {obj}! I will never get it back!", "Oh no! What am I going to do?", "Can you help me, {friend}?",
+    )
+    st.quote(
+        "{friend}", "Don't worry, {hero}. I have an idea.", "Don't cry. We can get it back together!", "Let's think.",
+    )
     st.say(
         "So {friend} {fix}.", "So the two friends {fix}.",
         "{friend} was scared, but {fhe} {fix} anyway, because {fhe} wanted to help.",
     )
-    st.say("At last, the {obj} was safe.", "After a while, {friend} held up the {obj}.", "Finally, they got the {obj} back.")
-    st.quote("{hero}", "Thank you, {friend}! You are the best friend ever!", "You saved my {obj}!", "Thank you so much!")
+    st.say(
+        "At last, the {obj} was safe.",
+        "After a while, {friend} held up the {obj}.",
+        "Finally, they got the {obj} back.",
+    )
+    st.quote(
+        "{hero}", "Thank you, {friend}! You are the best friend ever!", "You saved my {obj}!", "Thank you so much!",
+    )
     st.quote("{friend}", "That is what friends are for.", "I am happy I could help.", tag="said")
-    end(st, st.pick(("held on tight to {his} {obj}", "kept {his} {obj} close", "remembered that friends help each other")))
+    end(
+        st,
+        st.pick(("held on tight to {his} {obj}", "kept {his} {obj} close", "remembered that friends help each other")),
+    )
 
 
 def sharing(st: Story) -> None:
@@ -322,7 +345,11 @@ def sharing(st: Story) -> None:
     )
     st.say("{He} did not want to share them with anyone.", "{He} wanted to eat them all by {himself}.")
     st.paragraph()
-    st.say("Then {friend} came by.", "Soon, {friend} walked up to {him}.", "{friend} was hungry, so {fhe} came over to {hero}.")
+    st.say(
+        "Then {friend} came by.",
+        "Soon, {friend} walked up to {him}.",
+        "{friend} was hungry, so {fhe} came over to {hero}.",
+    )
     st.quote("{friend}", "Those {food} look yummy. Can I have one?", "May I have some {food}, please?")
     st.quote("{hero}", "No! They are all mine!", "No, go away. I want them all.", tag="said")
     st.say("{friend} was sad and walked away slowly.", "{friend}'s face fell, and {fhe} went home alone.")
@@ -334,10 +361,16 @@ def sharing(st: Story) -> None:
     st.say(
         "Because {he} had eaten too many, {he} felt sick.", "{He} looked at the empty path and missed {his} friend.",
     )
-    st.say("{He} picked up the rest of the {food} and ran to find {friend}.", "So {he} went to {friend}'s house with the basket.")
+    st.say(
+        "{He} picked up the rest of the {food} and ran to find {friend}.",
+        "So {he} went to {friend}'s house with the basket.",
+    )
     st.quote("{hero}", "I am sorry, {friend}. Would you like to share my {food}?", "I was wrong. Let's share!")
     st.quote("{friend}", "Yes, please! Thank you, {hero}.", "I would love that!", tag="said")
-    st.say("They sat together and ate the {food}, and they laughed and talked.", "Sharing made the {food} taste even better.")
+    st.say(
+        "They sat together and ate the {food}, and they laughed and talked.",
+        "Sharing made the {food} taste even better.",
+    )
     end(st, "shared with {his} friends")
 
 
@@ -348,20 +381,33 @@ def storm(st: Story) -> None:
     st.say("{hero} packed {food}, a blanket and a ball.", "They were so excited that they could not sit still.")
     st.paragraph()
     st.say(
-        "But just as they were ready to go, dark clouds filled the sky.", "But then the wind grew strong and it began to rain.",
+        "But just as they were ready to go, dark clouds filled the sky.",
+        "But then the wind grew strong and it began to rain.",
         "Suddenly, there was a loud clap of thunder.",
     )
-    st.say("Because of the storm, they could not go outside.", "The rain was so heavy that the streets turned into rivers.")
+    st.say(
+        "Because of the storm, they could not go outside.",
+        "The rain was so heavy that the streets turned into rivers.",
+    )
     st.quote("{hero}", "Now our day is ruined!", "This is not fair!", tag="cried")
-    st.quote("{his} {parent}", "Why don't you have your picnic inside?", "Sometimes plans change. Let's make a new plan.", tag="said")
+    st.quote(
+        "{his} {parent}",
+        "Why don't you have your picnic inside?",
+        "Sometimes plans change. Let's make a new plan.",
+        tag="said",
+    )
     st.paragraph()
     st.say(
         "So they spread the blanket on the living room floor.", "So they built a tent out of chairs and pillows.",
     )
     st.say(
-        "They ate their {food} and listened to the rain on the roof.", "{friend} told stories, and {hero} laughed so hard {he} fell over.",
+        "They ate their {food} and listened to the rain on the roof.",
+        "{friend} told stories, and {hero} laughed so hard {he} fell over.",
     )
-    st.say("When the storm was over, a rainbow appeared in the sky.", "Later, the sun came out and the puddles shone like mirrors.")
+    st.say(
+        "When the storm was over, a rainbow appeared in the sky.",
+        "Later, the sun came out and the puddles shone like mirrors.",
+    )
     st.quote("{hero}", "This was the best picnic ever!", "Rainy days can be fun too!")
     end(st, "knew that a bad day could still turn out good")
 
@@ -383,7 +429,12 @@ def fear(st: Story) -> None:
            "Because of this, {he} often stayed inside while the others played.")
     st.paragraph()
     st.quote("{hero}", "I can't do it. I am too scared.", "What if something bad happens?", tag="whispered")
-    st.quote("{his} {parent}", "Being brave does not mean you are not scared. It means you try anyway.", "I will be right here with you.", tag="said")
+    st.quote(
+        "{his} {parent}",
+        "Being brave does not mean you are not scared. It means you try anyway.",
+        "I will be right here with you.",
+        tag="said",
+    )
     st.say("{hero} took a deep breath.", "{hero} held {his} {parent}'s hand tight and counted to three.")
     st.say("Then {he} {act}.", "Slowly, {he} {act}.")
     st.say("To {his} surprise, {truth}.", "Soon {he} saw that {truth}.")
@@ -396,7 +447,8 @@ def building(st: Story) -> None:
     things = (
         ("tree house", "boards and nails"), ("snowman", "snow, a carrot and two round stones"),
         ("raft", "sticks and string"), ("bird house", "wood and glue"), ("sandcastle", "sand, shells and water"),
-        ("kite", "paper and thin sticks"), ("go-kart", "an old box and four wheels"), ("tower", "cardboard boxes and tape"),
+        ("kite", "paper and thin sticks"), ("go-kart", "an old box and four wheels"),
+        ("tower", "cardboard boxes and tape"),
         ("bridge", "stones and planks"), ("robot", "tin cans, wires and bottle caps"),
     )
     thing, stuff = st.pick(things)
@@ -412,7 +464,10 @@ def building(st: Story) -> None:
     st.paragraph()
     st.quote("{friend}", "Can I help you? Two can do more than one.", "Maybe we can try again together?")
     st.quote("{hero}", "All right. Let's try one more time.", "Yes, please. I could not do it alone.", tag="said")
-    st.say("This time they went slowly and worked as a team.", "This time {friend} held the pieces while {hero} fixed them.")
+    st.say(
+        "This time they went slowly and worked as a team.",
+        "This time {friend} held the pieces while {hero} fixed them.",
+    )
     st.say("It took all afternoon, but it did not fall down.", "When they were finished, they stepped back to look.")
     st.say("It was the best {thing} they had ever seen.", "Their {thing} was strong and beautiful.")
     st.quote("{hero}", "We did it because we worked together!", "It is even better than I imagined!")
@@ -420,40 +475,69 @@ def building(st: Story) -> None:
 
 
 def hurt_animal(st: Story) -> None:
-    creatures = (("a baby bird", "wing"), ("a little rabbit", "leg"), ("a tiny hedgehog", "paw"), ("a young deer", "leg"), ("a small duck", "wing"))
+    creatures = (
+        ("a baby bird", "wing"), ("a little rabbit", "leg"), ("a tiny hedgehog", "paw"), ("a young deer", "leg"),
+        ("a small duck", "wing"),
+    )
     creature, part = st.pick(creatures)
     st.slots.update(creature=creature, part=part)
-    st.say("{time}, {hero} was walking {at_place} when {he} heard a soft cry.", "{time}, {hero} found {creature} {at_place}.")
+    st.say(
+        "{time}, {hero} was walking {at_place} when {he} heard a soft cry.",
+        "{time}, {hero} found {creature} {at_place}.",
+    )
     st.say("It was {creature}, and it had a hurt {part}.", "The poor thing had hurt its {part} and could not move.")
     st.quote("{hero}", "Poor little thing. I will help you.", "Don't be afraid. I won't hurt you.", tag="whispered")
     st.say("{He} carried it home very gently.", "{He} wrapped it in {his} scarf and took it home.")
     st.paragraph()
-    st.say("{adult} knew a lot about animals, so {hero} asked {ahim} for help.", "{hero} showed it to {adult}, who lived next door.")
-    st.quote("{adult}", "It needs rest, water and a little food. Can you look after it?", "If you keep it warm, it will get better.", tag="said")
-    st.say("Every day, {hero} gave it water and {food}.", "{hero} made a bed for it in a shoe box and checked on it every morning.")
-    st.say("Because {he} took such good care of it, its {part} healed.", "After a week, it could move its {part} again.")
+    st.say(
+        "{adult} knew a lot about animals, so {hero} asked {ahim} for help.",
+        "{hero} showed it to {adult}, who lived next door.",
+    )
+    st.quote(
+        "{adult}",
+        "It needs rest, water and a little food. Can you look after it?",
+        "If you keep it warm, it will get better.",
+        tag="said",
+    )
+    st.say(
+        "Every day, {hero} gave it water and {food}.",
+        "{hero} made a bed for it in a shoe box and checked on it every morning.",
+    )
+    st.say(
+        "Because {he} took such good care of it, its {part} healed.", "After a week, it could move its {part} again.",
+    )
     st.paragraph()
     st.say("Then it was time to say goodbye.", "{hero} knew it belonged outside, so {he} took it back {at_place}.")
     st.say("{hero} felt sad, but also proud.", "{hero} waved as it went away.")
-    st.say("The next day, it came back to visit, as if to say thank you.", "Sometimes, {hero} still sees it {at_place}.")
+    st.say(
+        "The next day, it came back to visit, as if to say thank you.", "Sometimes, {hero} still sees it {at_place}.",
+    )
     end(st, "treated every animal gently")
 
 
 def race(st: Story) -> None:
-    st.say("{hero} and {friend} decided to have a race {at_place}.", "{time}, {friend} asked {hero} to race across the {place}.")
+    st.say(
+        "{hero} and {friend} decided to have a race {at_place}.",
+        "{time}, {friend} asked {hero} to race across the {place}.",
+    )
     st.quote("{hero}", "I am the fastest. I will win for sure!", "You can't beat me!", tag="said")
     st.say("They counted to three and started running.", "Ready, set, go! They ran as fast as they could.")
     st.say(
-        "{hero} was so busy showing off that {he} did not look where {he} was going.", "{hero} looked back to laugh at {friend}.",
+        "{hero} was so busy showing off that {he} did not look where {he} was going.",
+        "{hero} looked back to laugh at {friend}.",
     )
-    st.say("{He} tripped over a stone and fell down.", "Because of that, {he} ran into a puddle and fell with a splash.")
+    st.say(
+        "{He} tripped over a stone and fell down.", "Because of that, {he} ran into a puddle and fell with a splash.",
+    )
     st.say("{His} knee was scraped and it hurt.", "{He} was covered in mud from head to toe.")
     st.paragraph()
     st.say("{friend} could have won the race.", "{friend} was almost at the finish.")
     st.say("But {fhe} stopped and came back to help {hero}.", "Instead, {fhe} turned around and helped {hero} up.")
     st.quote("{friend}", "Are you okay? Let's finish together.", "Winning is not fun if my friend is hurt.", tag="said")
     st.say("They walked to the finish side by side.", "Holding hands, they crossed the line together.")
-    st.quote("{hero}", "I am sorry I was so proud. You are a true friend.", "Thank you. You are kinder than me.", tag="said")
+    st.quote(
+        "{hero}", "I am sorry I was so proud. You are a true friend.", "Thank you. You are kinder than me.", tag="said",
+    )
     end(st, "remembered that being kind is better than winning")
 
 
@@ -463,7 +547,8 @@ def surprise(st: Story) -> None:
     st.say("They found flour, eggs, sugar and milk.", "They put on aprons and took out a big bowl.")
     st.paragraph()
     st.say(
-        "But {friend} mixed too fast, and flour flew everywhere.", "But they dropped the eggs, and they broke on the floor.",
+        "But {friend} mixed too fast, and flour flew everywhere.",
+        "But they dropped the eggs, and they broke on the floor.",
         "But they forgot to watch the oven, so the cake got a little burnt.",
     )
     st.say("The kitchen was a big mess.", "Soon there was flour on the table, on the floor and even on the cat.")
@@ -472,35 +557,65 @@ def surprise(st: Story) -> None:
     st.say("{hero} thought {his} {parent} would be angry.", "Everyone was very quiet.")
     st.paragraph()
     st.say("But {his} {parent} began to laugh.", "But {his} {parent} smiled a big smile.")
-    st.quote("{his} {parent}", "This is the best surprise I have ever had!", "A cake made with love is the best cake of all.", tag="said")
-    st.say("They cleaned up together, and then they ate the cake.", "The cake was a little flat, but it tasted wonderful.")
+    st.quote(
+        "{his} {parent}",
+        "This is the best surprise I have ever had!",
+        "A cake made with love is the best cake of all.",
+        tag="said",
+    )
+    st.say(
+        "They cleaned up together, and then they ate the cake.", "The cake was a little flat, but it tasted wonderful.",
+    )
     end(st, "knew that love mattered more than a perfect cake")
 
 
 def warning(st: Story) -> None:
-    rules = (
-        ("not to climb the old wall", "the stones were loose", "climbed up the old wall", "a stone slipped and {he} fell"),
-        ("not to go near the pond alone", "the bank was slippery", "went to the pond alone", "{he} slipped and got all wet"),
-        ("not to eat the green apples", "they were not ripe yet", "ate three green apples", "{he} got a terrible tummy ache"),
-        ("not to play with the ball in the house", "something could break", "kicked the ball in the living room", "it hit a vase and the vase broke"),
-        ("to wear {his} boots", "it was muddy outside", "went out in {his} new shoes", "{his} shoes got stuck in the mud"),
+    rules = (  # (the rule, why, what the hero did anyway, what happened)
+        ("not to climb the old wall", "the stones were loose", "climbed up the old wall",
+         "a stone slipped and {he} fell"),
+        ("not to go near the pond alone", "the bank was slippery", "went to the pond alone",
+         "{he} slipped and got all wet"),
+        ("not to eat the green apples", "they were not ripe yet", "ate three green apples",
+         "{he} got a terrible tummy ache"),
+        ("not to play with the ball in the house", "something could break", "kicked the ball in the living room",
+         "it hit a vase and the vase broke"),
+        ("to wear {his} boots", "it was muddy outside", "went out in {his} new shoes",
+         "{his} shoes got stuck in the mud"),
     )
     rule, why, did, result = st.pick(rules)
-    st.slots.update(rule=rule.format_map(st.slots), why=why, did=did.format_map(st.slots), result=result.format_map(st.slots))
-    st.say("{hero}'s {parent} told {him} {rule}, because {why}.", "{adult} always told the children {rule}, because {why}.")
+    st.slots.update(
+        rule=rule.format_map(st.slots), why=why, did=did.format_map(st.slots), result=result.format_map(st.slots),
+    )
+    st.say(
+        "{hero}'s {parent} told {him} {rule}, because {why}.",
+        "{adult} always told the children {rule}, because {why}.",
+    )
     st.say("But {hero} did not listen.", "{hero} nodded, but {he} was not really listening.")
     st.say("{time}, {he} {did}.", "When nobody was looking, {hero} {did}.")
     st.say("Then {result}.", "Sure enough, {result}.")
     st.paragraph()
     st.say("{hero} began to cry, and {his} {parent} came running.", "{friend} heard the noise and went to get help.")
-    st.quote("{hero}", "I am sorry. I should have listened to you.", "I did not listen, and now look what happened.", tag="said")
-    st.quote("{his} {parent}", "I am glad you are safe. Rules are there to keep you safe.", "Everyone makes mistakes. What matters is that you learn.", tag="said")
+    st.quote(
+        "{hero}",
+        "I am sorry. I should have listened to you.",
+        "I did not listen, and now look what happened.",
+        tag="said",
+    )
+    st.quote(
+        "{his} {parent}",
+        "I am glad you are safe. Rules are there to keep you safe.",
+        "Everyone makes mistakes. What matters is that you learn.",
+        tag="said",
+    )
     st.say("{hero} helped to clean up the mess.", "{hero} thought about what had happened for a long time.")
     end(st, "listened when someone tried to keep {him} safe")
 
 
 def mystery(st: Story) -> None:
-    st.say("{time}, {hero} baked some {food} and left them on the window sill to cool.", "{hero}'s {parent} put a plate of {food} on the table.")
+    st.say(
+        "{time}, {hero} baked some {food} and left them on the window sill to cool.",
+        "{hero}'s {parent} put a plate of {food} on the table.",
+    )
     st.say("But when {hero} came back, the {food} were gone!", "An hour later, the plate was empty!")
     st.quote("{hero}", "Who took my {food}?", "Somebody ate all the {food}!", tag="shouted")
     st.say("{hero} decided to be a detective.", "{hero} and {friend} wanted to solve the mystery.")
@@ -522,33 +637,64 @@ def mystery(st: Story) -> None:
 def garden(st: Story) -> None:
     plants = ("a sunflower", "a tomato plant", "an apple tree", "a pumpkin", "a rose bush", "some beans")
     st.slots.update(plant=st.pick(plants))
-    st.say("{time}, {hero}'s {parent} gave {him} a small seed.", "{hero} found a seed and wanted it to grow into {plant}.")
-    st.say("{He} planted it in the soil and gave it water.", "{He} dug a little hole, put the seed inside and covered it up.")
+    st.say(
+        "{time}, {hero}'s {parent} gave {him} a small seed.", "{hero} found a seed and wanted it to grow into {plant}.",
+    )
+    st.say(
+        "{He} planted it in the soil and gave it water.",
+        "{He} dug a little hole, put the seed inside and covered it up.",
+    )
     st.say("The next morning, {he} ran outside to look.", "Every hour, {he} checked to see if it had grown.")
     st.say("But nothing had happened.", "But there was only brown earth.")
     st.quote("{hero}", "Why is it not growing?", "Is my seed broken?", tag="asked")
-    st.quote("{his} {parent}", "Seeds need sun, water and time. You have to be patient.", "Good things take time.", tag="said")
+    st.quote(
+        "{his} {parent}",
+        "Seeds need sun, water and time. You have to be patient.",
+        "Good things take time.",
+        tag="said",
+    )
     st.paragraph()
     st.say("So {hero} waited.", "So {hero} watered it every day and waited.")
     st.say("Days went by, and then weeks.", "The sun shone and the rain fell.")
     st.say("One day, a tiny green shoot poked out of the ground.", "At last, a small green leaf appeared.")
-    st.say("Because {he} had cared for it so well, it grew tall and strong.", "By the end of summer, it had become {plant}.")
+    st.say(
+        "Because {he} had cared for it so well, it grew tall and strong.",
+        "By the end of summer, it had become {plant}.",
+    )
     st.quote("{hero}", "Look! It was worth the wait!", "I grew it myself!", tag="shouted")
     end(st, "waited patiently for good things to grow")
 
 
 def trip(st: Story) -> None:
-    st.say("{time}, {hero}'s {parent} took {him} and {friend} on a trip {at_place}.", "{hero} had never been to the {place} before.")
+    st.say(
+        "{time}, {hero}'s {parent} took {him} and {friend} on a trip {at_place}.",
+        "{hero} had never been to the {place} before.",
+    )
     st.say("{weather}", "On the way, they sang songs and counted cows.")
     st.say("When they arrived, {hero}'s eyes grew wide.", "It was even better than {hero} had imagined.")
     st.say("There were {sight} and {sight2}.", "First they saw {sight}, and then they saw {sight2}.")
     st.paragraph()
-    st.say("Then {hero} wandered off to look at the {sight2}.", "But {hero} walked too far and could not see {his} {parent} anymore.")
-    st.say("{He} was lost!", "{He} looked left and right, but everyone was a stranger.", "Because {he} had not stayed close, {he} was lost.")
-    st.say("{He} remembered what {his} {parent} had said: stay where you are and ask a helper.", "{He} took a deep breath and did not run away.")
+    st.say(
+        "Then {hero} wandered off to look at the {sight2}.",
+        "But {hero} walked too far and could not see {his} {parent} anymore.",
+    )
+    st.say(
+        "{He} was lost!",
+        "{He} looked left and right, but everyone was a stranger.",
+        "Because {he} had not stayed close, {he} was lost.",
+    )
+    st.say(
+        "{He} remembered what {his} {parent} had said: stay where you are and ask a helper.",
+        "{He} took a deep breath and did not run away.",
+    )
     st.say("{He} found {adult}, who had a kind face.", "{He} asked {adult} for help.")
-    st.quote("{adult}", "Don't worry. We will find your {parent} together.", "Stay with me. I will help you.", tag="said")
-    st.say("Soon {hero} heard {his} {parent} calling {his} name.", "A few minutes later, {hero} saw {his} {parent} and {friend} running towards {him}.")
+    st.quote(
+        "{adult}", "Don't worry. We will find your {parent} together.", "Stay with me. I will help you.", tag="said",
+    )
+    st.say(
+        "Soon {hero} heard {his} {parent} calling {his} name.",
+        "A few minutes later, {hero} saw {his} {parent} and {friend} running towards {him}.",
+    )
     st.say("{hero} ran into {his} {parent}'s arms.", "They hugged for a long time.")
     end(st, "stayed close to {his} {parent} in new places")
 
@@ -557,15 +703,22 @@ def new_friend(st: Story) -> None:
     he = st.pick(("he", "she"))
     newcomer = st.pick([n for n in (BOYS if he == "he" else GIRLS) if n not in (st.slots["hero"], st.slots["friend"])])
     st.slots.update(new=newcomer, **pronouns(he, "n"))
-    st.say("{time}, a new family moved into the house across the street.", "{time}, a new child came to {hero}'s class.")
+    st.say(
+        "{time}, a new family moved into the house across the street.", "{time}, a new child came to {hero}'s class.",
+    )
     st.say("Their child was called {new}.", "The teacher said that {nhis} name was {new}.")
     st.say("{new} looked shy and stood alone all morning.", "{new} did not know anyone, so {nhe} sat by {nhimself}.")
     st.say("{hero} remembered how it felt to be new.", "{hero} saw that {new} looked lonely.",
            "{hero} knew it was hard to be new, because {he} had moved once too.")
     st.paragraph()
-    st.quote("{hero}", "Hello, {new}! Do you want to play with us?", "Hi, I am {hero}. Would you like to {hobby} with me?")
+    st.quote(
+        "{hero}", "Hello, {new}! Do you want to play with us?", "Hi, I am {hero}. Would you like to {hobby} with me?",
+    )
     st.quote("{new}", "Yes, please! I don't have any friends here yet.", "Really? Thank you!", tag="said")
-    st.say("So {hero}, {friend} and {new} played together all afternoon.", "{hero} showed {new} how to {hobby}, and {new} learned fast.")
+    st.say(
+        "So {hero}, {friend} and {new} played together all afternoon.",
+        "{hero} showed {new} how to {hobby}, and {new} learned fast.",
+    )
     st.say("{new} knew a lot of funny games from {nhis} old town.", "It turned out that {new} loved {hobby_ing} too.")
     st.say("When it was time to go home, {new} was smiling from ear to ear.", "Soon, {new} was laughing with everyone.")
     question, answer = st.pick((
@@ -580,18 +733,43 @@ def new_friend(st: Story) -> None:
 def honesty(st: Story) -> None:
     precious = ("vase", "lamp", "teapot", "clock", "mirror", "cup", "picture frame", "flower pot")
     st.slots.update(thing=st.pick(precious))
-    st.say("{hero}'s {parent} had a beautiful old {thing}.", "On the shelf stood the {thing} that {hero}'s {parent} loved most.")
+    st.say(
+        "{hero}'s {parent} had a beautiful old {thing}.",
+        "On the shelf stood the {thing} that {hero}'s {parent} loved most.",
+    )
     st.say("{time}, {hero} was {hobby_ing} in the house.", "{time}, {hero} was playing with a ball inside.")
-    st.say("{He} bumped into the shelf, and the {thing} fell and broke.", "Crash! The {thing} fell to the floor and broke into pieces.")
-    st.say("{hero} was scared that {he} would be in trouble.", "{hero}'s heart beat fast, because {he} knew it was special.")
+    st.say(
+        "{He} bumped into the shelf, and the {thing} fell and broke.",
+        "Crash! The {thing} fell to the floor and broke into pieces.",
+    )
+    st.say(
+        "{hero} was scared that {he} would be in trouble.",
+        "{hero}'s heart beat fast, because {he} knew it was special.",
+    )
     st.paragraph()
-    st.say("When {his} {parent} came in, {hero} said that the cat had done it.", "{hero} hid the pieces under the sofa and said nothing.")
+    st.say(
+        "When {his} {parent} came in, {hero} said that the cat had done it.",
+        "{hero} hid the pieces under the sofa and said nothing.",
+    )
     st.say("But that night {he} could not sleep.", "But the lie felt heavy, like a stone in {his} tummy.")
     st.say("{He} knew that telling the truth was the right thing to do.", "{He} did not like keeping a secret.")
-    st.say("So {he} got up and went to find {his} {parent}.", "In the morning, {he} went to {his} {parent} with tears in {his} eyes.")
-    st.quote("{hero}", "I broke the {thing}, and I did not tell the truth. I am sorry.", "It was me. I broke the {thing}.")
-    st.quote("{his} {parent}", "Thank you for telling me. Things can be fixed, but trust is worth more.", "I am proud of you for being honest.", tag="said")
-    st.say("Together they glued the pieces back together.", "The {thing} was never quite the same, but {hero} felt light again.")
+    st.say(
+        "So {he} got up and went to find {his} {parent}.",
+        "In the morning, {he} went to {his} {parent} with tears in {his} eyes.",
+    )
+    st.quote(
+        "{hero}", "I broke the {thing}, and I did not tell the truth. I am sorry.", "It was me. I broke the {thing}.",
+    )
+    st.quote(
+        "{his} {parent}",
+        "Thank you for telling me. Things can be fixed, but trust is worth more.",
+        "I am proud of you for being honest.",
+        tag="said",
+    )
+    st.say(
+        "Together they glued the pieces back together.",
+        "The {thing} was never quite the same, but {hero} felt light again.",
+    )
     end(st, "told the truth, even when it was hard")
 
 
@@ -609,16 +787,32 @@ def magic(st: Story) -> None:
     st.slots.update(charm=charm, wish=wish.format_map(st.slots))
     st.slots.update(happened=happened.format_map(st.slots), problem=problem.format_map(st.slots))
     st.say("{time}, {hero} found {charm} {at_place}.", "While {hobby_ing}, {hero} found {charm} hidden under a leaf.")
-    st.say("When {he} picked it up, it began to sparkle.", "It was warm, and it shimmered with every color of the rainbow.")
-    st.quote("a small voice", "You may have one wish, but choose wisely.", "Make a wish, and it will come true.", tag="whispered")
+    st.say(
+        "When {he} picked it up, it began to sparkle.",
+        "It was warm, and it shimmered with every color of the rainbow.",
+    )
+    st.quote(
+        "a small voice",
+        "You may have one wish, but choose wisely.",
+        "Make a wish, and it will come true.",
+        tag="whispered",
+    )
     st.say("{hero} did not stop to think, and wished {wish}.", "Without thinking, {hero} wished {wish}.")
     st.paragraph()
     st.say("At once, {happened}.", "In a flash, {happened}.")
-    st.say("At first it was wonderful.", "{hero} laughed and clapped {his} hands, because it was just what {he} wanted.")
+    st.say(
+        "At first it was wonderful.", "{hero} laughed and clapped {his} hands, because it was just what {he} wanted.",
+    )
     st.say("But soon {problem}.", "But after a while, {problem}.")
     st.quote("{hero}", "I want everything to be normal again!", "Please, I wish I had never made that wish!")
-    st.say("The magic glowed one last time, and everything went back to how it was.", "There was a soft pop, and everything was just as before.")
-    st.say("{hero} ran home and hugged {his} {parent}.", "{hero} told {friend} the whole story, but {fhe} did not believe a word.")
+    st.say(
+        "The magic glowed one last time, and everything went back to how it was.",
+        "There was a soft pop, and everything was just as before.",
+    )
+    st.say(
+        "{hero} ran home and hugged {his} {parent}.",
+        "{hero} told {friend} the whole story, but {fhe} did not believe a word.",
+    )
     end(st, "thought carefully before wishing for anything")
 
 
@@ -634,14 +828,28 @@ def helping_neighbor(st: Story) -> None:
     st.slots.update(trouble=trouble.format_map(st.slots), helped=helped)
     st.say("{adult} lived next door to {hero}.", "{adult} was very old and lived all alone.")
     st.say("{time}, {hero} saw that {adult} {trouble}.", "{time}, {hero} noticed that {adult} {trouble}.")
-    st.say("{hero} wanted to go and play, but {he} stopped.", "{friend} was waiting for {him} {at_place}, but {hero} thought for a moment.")
+    st.say(
+        "{hero} wanted to go and play, but {he} stopped.",
+        "{friend} was waiting for {him} {at_place}, but {hero} thought for a moment.",
+    )
     st.quote("{hero}", "Can I help you, {adult}?", "Do you need some help?")
-    st.quote("{adult}", "Oh, that would be very kind of you.", "Thank you, my dear. My old legs are very tired today.", tag="said")
+    st.quote(
+        "{adult}",
+        "Oh, that would be very kind of you.",
+        "Thank you, my dear. My old legs are very tired today.",
+        tag="said",
+    )
     st.paragraph()
     st.say("So {hero} {helped}.", "{hero} and {friend} {helped}.")
     st.say("It was hard work, and {hero} got very hot.", "It took a long time, but {hero} did not give up.")
-    st.say("When they were done, {adult} gave {him} a jar of honey and a big smile.", "To say thank you, {adult} baked {him} a tray of {food}.")
-    st.say("{adult} also told {him} stories about when {ahe} was a child.", "{hero} felt proud, because {he} had made someone happy.")
+    st.say(
+        "When they were done, {adult} gave {him} a jar of honey and a big smile.",
+        "To say thank you, {adult} baked {him} a tray of {food}.",
+    )
+    st.say(
+        "{adult} also told {him} stories about when {ahe} was a child.",
+        "{hero} felt proud, because {he} had made someone happy.",
+    )
     end(st, "helped {adult} whenever {he} could")
 
 

@@ -26,6 +26,7 @@ from .checkpoint import atomic_write
 from .tokenizer import Tokenizer
 
 CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about 1 MB, cut at line ends
+READ_BYTES = 1 << 22  # files are checked and hashed 4 MB at a time
 
 
 @dataclass
@@ -72,31 +73,34 @@ def text_files(path: Path) -> list[Path]:
 
 
 def check_utf8(path: Path, digest) -> bool:
-    """Feed path's bytes to digest; fail with the offset of the first invalid byte. True if
-    the file holds anything besides whitespace."""
+    """Feed path's bytes to digest; fail naming the first byte that is not UTF-8 and its
+    offset. True if the file holds anything besides whitespace."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     offset, has_text = 0, False
     with open(path, "rb") as f:
-        while block := f.read(1 << 22):
+        while block := f.read(READ_BYTES):
             digest.update(block)
+            carried = len(decoder.getstate()[0])  # the start of a character cut by the previous block
             try:
-                has_text = has_text or not decoder.decode(block).isspace()
+                text = decoder.decode(block)
             except UnicodeDecodeError as e:
-                raise ValueError(
-                    f"{path} is not UTF-8 text (invalid byte 0x{block[e.start]:02x} at offset {offset + e.start}); "
-                    "convert it, e.g. iconv -f latin1 -t utf-8, or remove it from --data"
-                ) from None
+                raise not_utf8(path, e.object[e.start], offset - carried + e.start) from None
+            has_text = has_text or bool(text.strip())
             offset += len(block)
-    try:
-        decoder.decode(b"", final=True)
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not UTF-8 text (it ends inside a character); convert it or remove it") from None
+    if pending := decoder.getstate()[0]:  # the file ends inside a character
+        raise not_utf8(path, pending[0], offset - len(pending))
     return has_text
 
 
+def not_utf8(path, byte: int, offset: int) -> ValueError:
+    return ValueError(
+        f"{path} is not UTF-8 text (invalid byte 0x{byte:02x} at offset {offset}); "
+        "convert it, e.g. iconv -f latin1 -t utf-8, or remove it from --data"
+    )
+
+
 def file_digest(path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir) -> Tokenizer:
@@ -109,7 +113,7 @@ def load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir) -> Tokenizer:
     lines = (line for doc in corpus.documents() for line in doc.splitlines() if line.strip())
     try:
         return Tokenizer.train(lines, vocab_size, path)
-    except RuntimeError as e:  # SentencePiece says what it needs after its source location: "...] Vocabulary size ..."
+    except RuntimeError as e:  # SentencePiece says what it needs after its source location, "...] "
         reason = str(e).split("] ")[-1]
         raise ValueError(f"cannot train a tokenizer with --vocab-size {vocab_size} on {corpus.name}: {reason}") from None
 

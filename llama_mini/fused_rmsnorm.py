@@ -170,8 +170,10 @@ class CpuKernel:
         self.fwd, self.bwd = {}, {}
         for x, w in CPU_DTYPES:
             name = f"{_dtype_name(x)}_{_dtype_name(w)}"
-            self.fwd[x, w] = _bind(lib, f"rms_norm_fwd_{name}", [P, P, P, P, I64, I64, I64, F64, I32, I32])
-            self.bwd[x, w] = _bind(lib, f"rms_norm_bwd_{name}", [P, P, P, P, P, P, P, I64, I64, I64, I32])
+            # the output dtype and the statistic's, looked up once rather than on every call
+            types = torch.promote_types(x, w), torch.float64 if x == torch.float64 else torch.float32
+            self.fwd[x, w] = _bind(lib, f"rms_norm_fwd_{name}", [P, P, P, P, I64, I64, I64, F64, I32, I32]), *types
+            self.bwd[x, w] = _bind(lib, f"rms_norm_bwd_{name}", [P, P, P, P, P, P, I64, I64, I64, I32])
         self.advise_huge_pages = _bind(lib, "rms_norm_advise_huge_pages", [P, I64])
         # Width of the vectors torch's CPU sum kernel adds with. It is not always the CPU's
         # widest (torch runs its sum with 32-byte vectors on AVX-512 machines), so
@@ -186,33 +188,28 @@ class CpuKernel:
         return out
 
     @staticmethod
-    def threads(x) -> int:
-        return torch.get_num_threads() if x.numel() >= PARALLEL_MIN_ELEMENTS else 1
+    def threads(n: int) -> int:
+        return torch.get_num_threads() if n >= PARALLEL_MIN_ELEMENTS else 1
 
+    # Python runs on every call of these two, which matters for small activations: they do
+    # as little as they can around the one foreign call.
     def forward(self, x, weight, eps: float, n_rms: int):
         """Contiguous x (..., dim) -> output and per-row 1/rms (float32; float64 for float64 x)."""
-        dim = x.shape[-1]
-        rows = x.numel() // dim if dim else 0
-        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        y = self.new_output(x.shape, torch.promote_types(x.dtype, weight.dtype))
+        fn, out_dtype, acc = self.fwd[x.dtype, weight.dtype]
+        n, dim = x.numel(), x.shape[-1]
+        rows = n // dim if dim else 0
+        y = self.new_output(x.shape, out_dtype)
         rstd = torch.empty(rows, dtype=acc)
-        self.fwd[x.dtype, weight.dtype](
-            x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, n_rms, eps,
-            self.vector_bytes // acc.itemsize, self.threads(x),
-        )
+        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, n_rms, eps,
+           self.vector_bytes // acc.itemsize, self.threads(n))
         return y, rstd
 
     def backward(self, dy, x, weight, rstd, n_rms: int):
         """Gradients of x and weight; dy is contiguous, with the output's shape and dtype."""
-        rows, dim = rstd.shape[0], x.shape[-1]
         dx = self.new_output(x.shape, x.dtype)
         dw = torch.empty_like(weight)
-        threads = self.threads(x)
-        partial = torch.empty(threads, 2, dim, dtype=rstd.dtype)  # per-thread weight-gradient sums
-        self.bwd[x.dtype, weight.dtype](
-            dy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(),
-            partial.data_ptr(), rows, dim, n_rms, threads,
-        )
+        self.bwd[x.dtype, weight.dtype](dy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
+                                         dw.data_ptr(), rstd.shape[0], x.shape[-1], n_rms, self.threads(x.numel()))
         return dx, dw
 
     def calibrate(self) -> None:

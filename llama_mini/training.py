@@ -33,6 +33,8 @@ from tqdm import tqdm
 
 from .checkpoint import LATEST, TOKENIZER, atomic_write, build_model, load_checkpoint, save_checkpoint
 from .data import TokenSplits, corpus_name, load_tokenizer, open_corpus, tokenize
+from .device import pick_device
+from .generation import generate
 from .model import ModelArgs, Transformer
 from .run_lock import RunLock
 from .tokenizer import Tokenizer
@@ -136,25 +138,6 @@ class NonFiniteLoss(ValueError):
 # --- Pieces with one job each -----------------------------------------------------------------
 
 
-def default_device() -> str:
-    if torch.cuda.is_available():
-        return "cuda"
-    if torch.backends.mps.is_available():
-        return "mps"
-    return "cpu"
-
-
-def pick_device(name: Optional[str], local_rank: int) -> torch.device:
-    device = torch.device(name or default_device())
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")
-        return torch.device("cuda", local_rank if device.index is None else device.index)
-    if device.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps was asked for but MPS is not available; use --device cpu")
-    return device
-
-
 def lr_at(step: int, cfg: TrainConfig) -> float:
     """Linear warmup to cfg.lr, then a cosine down to min_lr at max_steps (step counts from 0)."""
     min_lr = cfg.lr / 10 if cfg.min_lr is None else cfg.min_lr
@@ -201,8 +184,6 @@ def fsync_dir(path: Path) -> None:
 
 def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed=None) -> str:
     """prompt and the model's continuation, which stops early at an end of text (EOS)."""
-    from .generation import generate  # generation imports nothing from training; keep it lazy
-
     ids = tokenizer.encode(prompt, bos=True)
     max_new_tokens = max(0, min(max_new_tokens, model.args.max_seq_len - len(ids)))
     try:
@@ -355,7 +336,8 @@ class Trainer:
         if self.world_size > 1 and not self.cfg.fsdp:
             from torch.nn.parallel import DistributedDataParallel
 
-            model = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            model = DistributedDataParallel(model, device_ids=device_ids)
         return model
 
     # -- one step --
@@ -367,9 +349,9 @@ class Trainer:
         B, T = self.cfg.batch_size, self.cfg.seq_len
         starts = self.tokens.random_starts("train", B * self.world_size, T, self.data_rng)
         x, y = self.tokens.windows("train", starts[self.rank * B : (self.rank + 1) * B], T)
-        if self.device.type == "cuda":
-            return x.pin_memory().to(self.device, non_blocking=True), y.pin_memory().to(self.device, non_blocking=True)
-        return x.to(self.device), y.to(self.device)
+        if self.device.type == "cuda":  # from pinned memory the copy overlaps with the GPU's work
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
 
     def autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else nullcontext()
@@ -603,7 +585,7 @@ def report_losses(run_dir: Path) -> None:
     trained = [r for r in records if "train_loss" in r]
     ax.plot([r["step"] for r in trained], [r["train_loss"] for r in trained], lw=0.8, alpha=0.6, label="train")
     ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
-    ax.set(xlabel="step", ylabel="cross-entropy loss", title=run_dir.name)
+    ax.set(xlabel="step", ylabel="cross-entropy loss (nats per token)", yscale="log", title=run_dir.name)
     ax.legend()
     fig.tight_layout()
     fig.savefig(run_dir / "loss.png", dpi=120)
@@ -630,6 +612,9 @@ def train(cfg: TrainConfig) -> Path:
 def run(trainer: Trainer) -> None:
     cfg, main = trainer.cfg, trainer.is_main
     run_dir = trainer.run_dir
+    prompt_len = len(trainer.tokenizer.encode(cfg.prompt))
+    if cfg.sample_tokens and prompt_len >= cfg.seq_len:  # found out now, not after the training
+        raise ValueError(f"--prompt is {prompt_len} tokens but the context (--seq-len) is {cfg.seq_len}; shorten it")
     if main:
         for stale in run_dir.glob(".tmp-step-*"):  # a checkpoint a crash left half-written
             shutil.rmtree(stale, ignore_errors=True)
@@ -679,8 +664,8 @@ def run(trainer: Trainer) -> None:
     except KeyboardInterrupt:
         bar.close()
         if main:
-            print(f"interrupted at step {trainer.step}; saved {trainer.latest}; "
-                  "continue with the same flags and --resume")
+            latest = f"the latest checkpoint is {trainer.latest}" if trainer.latest else "no checkpoint was saved"
+            print(f"interrupted at step {trainer.step}; {latest}; continue with the same flags and --resume")
         raise
     finally:
         bar.close()

@@ -71,10 +71,21 @@ def test_empty_data_is_refused(tmp_path, content):
         data.open_corpus(write(tmp_path / "empty.txt", content))
 
 
-def test_non_utf8_data_names_the_file_byte_and_offset(tmp_path):
+@pytest.mark.parametrize("text", ["café au lait", "café"])  # é mid-file, and é as the last byte
+def test_non_utf8_data_names_the_file_byte_and_offset(tmp_path, text):
     path = tmp_path / "latin1.txt"
-    path.write_bytes("café au lait".encode("latin-1"))
+    path.write_bytes(text.encode("latin-1"))
     with pytest.raises(ValueError, match=r"latin1\.txt is not UTF-8 text \(invalid byte 0xe9 at offset 3\)"):
+        data.open_corpus(path)
+
+
+def test_utf8_check_reads_in_blocks_without_splitting_characters(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "READ_BYTES", 3)  # every multi-byte character straddles a block
+    path = tmp_path / "a.txt"
+    path.write_bytes("héllo wörld ✓ 漢字".encode())
+    assert data.open_corpus(path).digest == hashlib.sha256(b"a.txt\0" + path.read_bytes()).hexdigest()
+    path.write_bytes("héllo ✓".encode() + b"\xff!")
+    with pytest.raises(ValueError, match=r"invalid byte 0xff at offset 10\)"):
         data.open_corpus(path)
 
 

@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -156,12 +157,26 @@ void forward(const T* x, const W* w, O* y, void* rstd_out, int64_t rows, int64_t
 
 constexpr int64_t DW_BLOCK = 32;  // rows summed before joining the thread's running dw
 
+// dx and the row's dw contribution for elements [from, to) of one row.
+template <bool IN_RMS, typename T, typename W, typename O, typename A>
+inline void backward_span(const O* dy, const T* x, const W* w, T* dx, A* dw, A s, A c, int64_t from, int64_t to) {
+#pragma omp simd
+    for (int64_t j = from; j < to; ++j) {
+        A xv = io<T>::load(x[j]);
+        A dyv = io<O>::load(dy[j]);
+        A d = s * (dyv * A(io<W>::load(w[j])));
+        if constexpr (IN_RMS) d -= c * xv;
+        dx[j] = io<T>::store(d);
+        dw[j] += dyv * io<T>::load(io<T>::store(xv * s));
+    }
+}
+
 template <typename T, typename W, typename O>
 void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W* dw,
-              void* partial_buf, int64_t rows, int64_t dim, int64_t n_rms, int threads) {
+              int64_t rows, int64_t dim, int64_t n_rms, int threads) {
     using A = acc_t<T>;
     const A* rstd = static_cast<const A*>(rstd_in);
-    A* partial = static_cast<A*>(partial_buf);  // (threads, 2, dim): running dw and block dw
+    std::vector<A> partial(static_cast<size_t>(threads) * 2 * dim);  // per thread: running dw, block dw
     int64_t used = 1;  // how many threads the runtime gave us
 #pragma omp parallel num_threads(threads)
     {
@@ -171,7 +186,7 @@ void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W
         tid = omp_get_thread_num();
 #endif
         if (tid == 0) used = nt;
-        A* dw_total = partial + tid * 2 * dim;
+        A* dw_total = partial.data() + tid * 2 * dim;
         A* dw_block = dw_total + dim;
         std::fill(dw_total, dw_total + dim, A(0));
         const int64_t chunk = (rows + nt - 1) / nt;  // contiguous rows per thread
@@ -188,14 +203,10 @@ void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W
                 for (int64_t j = 0; j < dim; ++j)
                     gx += A(io<O>::load(dyr[j])) * A(io<W>::load(w[j])) * A(io<T>::load(xr[j]));
                 const A c = s * s * s * gx / static_cast<A>(n_rms);
-#pragma omp simd
-                for (int64_t j = 0; j < dim; ++j) {
-                    A xv = io<T>::load(xr[j]);
-                    A dyv = io<O>::load(dyr[j]);
-                    A d = s * (dyv * A(io<W>::load(w[j]))) - (j < n_rms ? c * xv : A(0));
-                    dxr[j] = io<T>::store(d);
-                    dw_block[j] += dyv * io<T>::load(io<T>::store(xv * s));
-                }
+                // Two loops rather than a test per element: only the prefix the RMS reads
+                // gets the statistic's term.
+                backward_span<true>(dyr, xr, w, dxr, dw_block, s, c, 0, n_rms);
+                backward_span<false>(dyr, xr, w, dxr, dw_block, s, c, n_rms, dim);
             }
 #pragma omp simd
             for (int64_t j = 0; j < dim; ++j) dw_total[j] += dw_block[j];
@@ -236,11 +247,11 @@ extern "C" void rms_norm_advise_huge_pages(void* p, int64_t nbytes) {
                          rstd, rows, dim, n_rms, eps, lanes, threads);                          \
     }                                                                                           \
     extern "C" void rms_norm_bwd_##NAME(const void* dy, const void* x, const void* w,          \
-                                        const void* rstd, void* dx, void* dw, void* partial,    \
+                                        const void* rstd, void* dx, void* dw,                   \
                                         int64_t rows, int64_t dim, int64_t n_rms, int threads) { \
         backward<T, W, O>(static_cast<const O*>(dy), static_cast<const T*>(x),                  \
                           static_cast<const W*>(w), rstd, static_cast<T*>(dx),                  \
-                          static_cast<W*>(dw), partial, rows, dim, n_rms, threads);             \
+                          static_cast<W*>(dw), rows, dim, n_rms, threads);                      \
     }
 
 RMS_NORM_EXPORT(float32_float32, float, float, float)
