@@ -209,7 +209,8 @@ def test_load_checkpoint_returns_the_trained_model(reference_run):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
-def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(reference_run, tmp_path):
+@pytest.mark.parametrize("attempt", range(3))  # three random kill times per run of the suite
+def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(reference_run, tmp_path, attempt):
     args = [*reference_run["args"], "--out", tmp_path / "run"]
     cli = Cli(args, tmp_path / "killed")
     cli.wait_for(tmp_path / "run" / "latest")  # the first checkpoint (step 8) is written; from here on anything
