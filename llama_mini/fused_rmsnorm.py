@@ -142,13 +142,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Ask for 2 MB pages on outputs at least this large (see rms_norm_advise_huge_pages in the
-# C++ source: first-touch page faults cost more than the arithmetic). glibc serves blocks
-# of 32 MB and more with a fresh mmap every time, so those always fault; smaller blocks
-# usually come back from the heap already mapped, and the hint would only cost a syscall.
-# False turns it off, which bench/norm_speed.py does to show what the kernel does alone.
+# Opt-in (LLAMA_MINI_HUGE_PAGES=1): ask for 2 MB pages on outputs at least this large (see
+# rms_norm_advise_huge_pages in the C++ source: first-touch page faults of a fresh output
+# cost more than the arithmetic). glibc serves blocks of 32 MB and more with a fresh mmap
+# every time, so those always fault; smaller ones usually come back from the heap already
+# mapped. Off by default: measured on a shared VM it made large norms 25-35% faster in
+# most calls, but now and then a 2 MB page took the kernel half a second to provide.
 HUGE_PAGES_MIN_BYTES = 32 << 20
-huge_pages = True
+huge_pages = os.environ.get("LLAMA_MINI_HUGE_PAGES") == "1"
 
 
 P, I64, I32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
