@@ -2,12 +2,12 @@
 
 For each shape and dtype the four implementations run interleaved, in a random order each
 round, so the load from other processes falls on all of them alike; each round's time is
-divided by nn.LayerNorm's time in the same round and the median ratio is printed. On CPU
-a fifth column runs the fused kernel with its opt-in 2 MB-page hint for outputs of 32 MB
-and more (LLAMA_MINI_HUGE_PAGES=1); the "fused" column is the default, without it. GB/s counts the bytes a fused kernel must move
-(forward: read x, write y; backward: read x and dy, write dx) and is printed beside a
-memory copy measured the same way: a copy into a preallocated tensor (the bandwidth
-ceiling) and a clone (which, like every op here, also pays for fresh output pages).
+divided by nn.LayerNorm's time in the same round and the median ratio is printed. GB/s
+counts the bytes a fused kernel must move (forward: read x, write y; backward: read x and
+dy, write dx) and is printed beside a memory copy measured the same way: a copy into a
+preallocated tensor (the bandwidth ceiling) and a clone (which, like every op here, also
+pays for the fresh pages of its output: on CPU, for outputs of tens of MB, that costs
+more than the arithmetic).
 
     python bench/norm_speed.py --quick        # hidden 4096, 4096 tokens: the issue's targets
     python bench/norm_speed.py                # hidden 512-8192 x 1k-32k tokens
@@ -72,19 +72,6 @@ def forward_backward_fn(module, x, dy):
     return run
 
 
-def with_huge_pages(fn, on: bool):
-    """fn with the fused kernel's opt-in 2 MB-page hint (LLAMA_MINI_HUGE_PAGES) on or off."""
-
-    def run():
-        before, fused_rmsnorm.huge_pages = fused_rmsnorm.huge_pages, on
-        try:
-            fn()
-        finally:
-            fused_rmsnorm.huge_pages = before
-
-    return run
-
-
 def interleaved(fns: dict, rounds: int, device) -> dict:
     """name -> list of times, one per round, in a fresh random order each round: what ran
     just before (its freed memory, its cache footprint) changes the next op's time, so no
@@ -131,9 +118,6 @@ def bench_shape(tokens, dim, dtype, device, rounds):
             fns = {name: forward_fn(m, x) for name, m in impls.items()}
         else:
             fns = {name: forward_backward_fn(m, xg, dy) for name, m in impls.items()}
-        if device.type == "cpu":
-            fused = fns["fused"]
-            fns["fused"], fns["fused+2MB pages"] = with_huge_pages(fused, False), with_huge_pages(fused, True)
         times = interleaved(fns, rounds, device)
         ratios = ratio_to(times, "nn.LayerNorm")
         median = {name: statistics.median(ts) for name, ts in times.items()}
@@ -184,7 +168,7 @@ def main(argv=None):
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, load average {os.getloadavg()[0]:.2f}")
     print("ratio = time / nn.LayerNorm time in the same round, median over rounds (< 1: faster than LayerNorm)\n")
-    ratio_cols = ["reference", "nn.RMSNorm", "fused"] + (["fused+2MB pages"] if device.type == "cpu" else [])
+    ratio_cols = ["reference", "nn.RMSNorm", "fused"]
     header = f"{'dtype':5} {'tokens':>6} {'hidden':>6} {'mode':8} | " + " ".join(f"{c:>{max(len(c), 6)}}" for c in ratio_cols)
     header += f" | {'fused GB/s':>10} {'LN GB/s':>8} {'copy GB/s':>9} {'clone GB/s':>10} | {'fused ms':>8}"
     print(header)

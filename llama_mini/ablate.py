@@ -1,6 +1,6 @@
 """The normalisation ablation: RMSNorm vs LayerNorm (vs none, vs partial RMSNorm), by flag.
 
-    python -m llama_mini.ablate --norms rmsnorm,layernorm,none --max-steps 200 --seeds 3 --out ablation
+    python -m llama_mini.ablate --norms rmsnorm,layernorm,none --max-steps 300 --seeds 3 --out checkpoints/ablation
 
 Zhang & Sennrich (2019) claim RMSNorm matches LayerNorm's quality in less time. Here every
 variant trains with the same seeds (so the same initial matrices and the same batches),
@@ -34,8 +34,9 @@ from tqdm import tqdm
 from .model import NORMS
 from .training import NonFiniteLoss, TrainConfig, Trainer
 
-# Defaults sized so that rmsnorm, layernorm and none with 3 seeds (9 runs) finish well
-# within 15 minutes on two shared CPU cores: a model a little smaller than train.py's.
+# Defaults sized so that rmsnorm, layernorm and none with 3 seeds (9 runs) finish within
+# 15 minutes on two CPU cores (9.5 measured when idle, 14.5 when shared with other jobs):
+# a model a little smaller than train.py's.
 DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, batch_size=16, seq_len=128, max_steps=300, warmup_steps=30, eval_every=25, eval_iters=5)
 
 

@@ -142,16 +142,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# Opt-in (LLAMA_MINI_HUGE_PAGES=1): ask for 2 MB pages on outputs at least this large (see
-# rms_norm_advise_huge_pages in the C++ source: first-touch page faults of a fresh output
-# cost more than the arithmetic). glibc serves blocks of 32 MB and more with a fresh mmap
-# every time, so those always fault; smaller ones usually come back from the heap already
-# mapped. Off by default: measured on a shared VM it made large norms 25-35% faster in
-# most calls, but now and then a 2 MB page took the kernel half a second to provide.
-HUGE_PAGES_MIN_BYTES = 32 << 20
-huge_pages = os.environ.get("LLAMA_MINI_HUGE_PAGES") == "1"
-
-
 P, I64, I32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
 # Below this many elements one thread does the work: waking the others costs more (torch's
 # own GRAIN_SIZE). One decoded token per row is the common case.
@@ -165,7 +155,7 @@ def _bind(lib, name: str, argtypes: list):
 
 
 class CpuKernel:
-    """The compiled library, called on contiguous (rows, dim) tensors."""
+    """The compiled library, called on contiguous tensors (..., dim) seen as rows."""
 
     def __init__(self, lib):
         self.fwd, self.bwd = {}, {}
@@ -175,18 +165,11 @@ class CpuKernel:
             types = torch.promote_types(x, w), torch.float64 if x == torch.float64 else torch.float32
             self.fwd[x, w] = _bind(lib, f"rms_norm_fwd_{name}", [P, P, P, P, I64, I64, I64, F64, I32, I32]), *types
             self.bwd[x, w] = _bind(lib, f"rms_norm_bwd_{name}", [P, P, P, P, P, P, I64, I64, I64, I32])
-        self.advise_huge_pages = _bind(lib, "rms_norm_advise_huge_pages", [P, I64])
         # Width of the vectors torch's CPU sum kernel adds with. It is not always the CPU's
         # widest (torch runs its sum with 32-byte vectors on AVX-512 machines), so
         # calibrate() measures it rather than guessing from the CPU.
         self.vector_bytes = 32
         self.bitwise_meta = False  # whether calibrate() found torch's exact summation order
-
-    def new_output(self, shape, dtype) -> torch.Tensor:
-        out = torch.empty(shape, dtype=dtype)
-        if huge_pages and out.nbytes >= HUGE_PAGES_MIN_BYTES:
-            self.advise_huge_pages(out.data_ptr(), out.nbytes)
-        return out
 
     @staticmethod
     def threads(n: int) -> int:
@@ -199,7 +182,7 @@ class CpuKernel:
         fn, out_dtype, acc = self.fwd[x.dtype, weight.dtype]
         n, dim = x.numel(), x.shape[-1]
         rows = n // dim if dim else 0
-        y = self.new_output(x.shape, out_dtype)
+        y = torch.empty(x.shape, dtype=out_dtype)
         rstd = torch.empty(rows, dtype=acc)
         fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, n_rms, eps,
            self.vector_bytes // acc.itemsize, self.threads(n))
@@ -207,7 +190,7 @@ class CpuKernel:
 
     def backward(self, dy, x, weight, rstd, n_rms: int):
         """Gradients of x and weight; dy is contiguous, with the output's shape and dtype."""
-        dx = self.new_output(x.shape, x.dtype)
+        dx = torch.empty_like(x)
         dw = torch.empty_like(weight)
         self.bwd[x.dtype, weight.dtype](dy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
                                          dw.data_ptr(), rstd.shape[0], x.shape[-1], n_rms, self.threads(x.numel()))
@@ -251,7 +234,8 @@ def _self_check(kernel: CpuKernel) -> None:
 class _RMSNormFunction(torch.autograd.Function):
     """x (..., dim) -> RMSNorm(x) * weight by the CPU kernel; saves x and the per-row
     1/rms (one float per row) for backward, which recomputes everything else. Outputs
-    are allocated in their final shape: returning a view would cost autograd a copy."""
+    are allocated in their final shape: returning a view of a tensor made here costs
+    autograd extra work on every call."""
 
     @staticmethod
     def forward(ctx, x, weight, eps, n_rms, kernel):
@@ -279,6 +263,8 @@ def _compiled_eager():
 
 def unavailable_reason(x: torch.Tensor, weight: torch.Tensor):
     """None when rms_norm_fused can take these tensors, else why not (a short phrase)."""
+    if weight.device != x.device:  # the reference code then raises torch's own error
+        return f"input on {x.device} but weight on {weight.device}"
     if x.device.type == "cpu":
         if (x.dtype, weight.dtype) not in CPU_DTYPES:
             return f"no CPU kernel for {x.dtype} input with {weight.dtype} weight"

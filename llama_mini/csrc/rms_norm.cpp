@@ -12,7 +12,7 @@
 // fused behind our back: torch rounds x*x before adding it.
 //
 // Plain C ABI over raw pointers, loaded with ctypes by llama_mini/fused_rmsnorm.py: no
-// torch or Python headers, so it builds in about a second with any C++17 compiler. OpenMP
+// torch or Python headers, so it builds in seconds with any C++17 compiler. OpenMP
 // threads come from the libgomp torch already loaded, so there is one thread pool.
 //
 // Backward, with g = dy * w, r = rstd and k = n_rms (the partial-RMSNorm prefix):
@@ -29,9 +29,6 @@
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
-#endif
-#ifdef __linux__
-#include <sys/mman.h>
 #endif
 
 namespace {
@@ -221,22 +218,6 @@ void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W
 }
 
 }  // namespace
-
-// Outputs are fresh allocations, and on Linux the first write to each fresh 4 KB page
-// faults into the kernel, which zeroes and maps it: for a 64 MB output that costs more than
-// the normalisation itself. Asking for 2 MB pages on the buffer's aligned interior cuts
-// the faults 512-fold. A hint only: the OS may ignore it, and results do not depend on it.
-extern "C" void rms_norm_advise_huge_pages(void* p, int64_t nbytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-    const uintptr_t huge = uintptr_t(1) << 21;
-    uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + huge - 1) & ~(huge - 1);
-    uintptr_t end = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(nbytes)) & ~(huge - 1);
-    if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)nbytes;
-#endif
-}
 
 // One exported pair per (input, weight) dtype combination; the Python side picks by name.
 #define RMS_NORM_EXPORT(NAME, T, W, O)                                                          \
