@@ -51,8 +51,12 @@ def parse_args(argv=None):
     return args
 
 
-def complete(model, tokenizer, prompt_ids, args, seed, echo="") -> str:
-    """Generate after prompt_ids, printing echo and then the new text as it comes; returns the new text."""
+def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt=True) -> str:
+    """Generate after prompt_ids, printing echo and then the new text as it comes; returns the new text.
+
+    A continuation is spaced as the prompt's continuation ("Once upon a" + " time"); a chat
+    answer (continues_prompt=False) as text of its own, as Meta's chat_completion decodes it.
+    """
     context = model.args.max_seq_len
     if len(prompt_ids) >= context:
         raise ValueError(
@@ -65,7 +69,8 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="") -> str:
     )
     print(echo, end="", flush=True)
     pieces = []
-    for piece in stream_text(tokenizer, (step[0] for step in steps), context_id=prompt_ids[-1]):
+    context_id = prompt_ids[-1] if continues_prompt else tokenizer.bos_id
+    for piece in stream_text(tokenizer, (step[0] for step in steps), context_id=context_id):
         print(piece, end="", flush=True)
         pieces.append(piece)
     print(flush=True)
@@ -85,7 +90,7 @@ def chat(model, tokenizer, args) -> None:
             continue
         dialog.append({"role": "user", "content": user})
         seed = None if args.seed is None else args.seed + turn
-        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, seed)
+        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, seed, continues_prompt=False)
         dialog.append({"role": "assistant", "content": answer})
 
 

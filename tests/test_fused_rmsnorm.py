@@ -212,3 +212,30 @@ def test_output_is_bitwise_meta_where_torch_summation_order_is_known(dtype):
     x = (torch.randn(3, 100, 4096) * 4).to(dtype)
     with torch.no_grad():
         assert torch.equal(fused(x), reference(x))
+
+
+@requires_kernel
+@pytest.mark.parametrize("fresh_output", [True, False])
+def test_large_outputs_written_by_streaming_stores_equal_the_reference(fresh_output):
+    """Outputs of 32 MB and more are mapped in one call and written with streaming stores
+    (csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
+    4099 puts most rows off the vector alignment, so the copy's head and tail run too."""
+    kernel = fused_rmsnorm.cpu_kernel()[0]
+    rows, dim = 2048, 4099  # 33.6 MB of float32 per output
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)
+    w = torch.rand(dim, generator=g) + 0.5
+    new = torch.empty if fresh_output else torch.ones  # torch.ones touches every page
+    y, rstd, dx, dw = new(rows, dim), torch.empty(rows), new(rows, dim), torch.empty(dim)
+    fwd, bwd = kernel.fwd[torch.float32, torch.float32][0], kernel.bwd[torch.float32, torch.float32]
+    fwd(x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, dim, EPS, kernel.vector_bytes // 4, torch.get_num_threads())
+    bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), rows, dim, dim, torch.get_num_threads())
+
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    expected = fused_rmsnorm.rms_norm_eager(xr, wr, EPS, dim)
+    ex_dx, ex_dw = torch.autograd.grad(expected, (xr, wr), dy)
+    if kernel.bitwise_meta:
+        assert torch.equal(y, expected)
+    torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, ex_dx, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dw, ex_dw, rtol=1e-4, atol=1e-3)  # a sum over 2048 rows

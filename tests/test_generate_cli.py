@@ -68,7 +68,10 @@ def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
             {"role": "assistant", "content": first_answer}, {"role": "user", "content": "Why?"},
         ]),
     ]
-    assert first_answer in capsys.readouterr().out
+    # each answer prints as Meta's chat_completion returns it, tokenizer.decode(answer):
+    # no leading space from the "▁" of its first piece
+    assert capsys.readouterr().out == f"> {first_answer}\n> {tokenizer.decode([3869])}\n> \n"
+    assert not first_answer.startswith(" ")
 
 
 def test_chat_runs_to_the_end_of_stdin(ckpt):
