@@ -86,10 +86,11 @@ template <typename T> inline acc_t<T> square(const T* x, int64_t i) {
 // its part of the output in one call (MADV_POPULATE_WRITE, Linux 5.14+; 17 ms for 64 MB
 // here, against 22 ms of page faults), then streams; where that call fails (an older
 // kernel) it stores plainly. Rows are computed into a buffer in L1 and copied out
-// unchanged, so results never depend on any of this. Streaming pays only past the caches: measured against nn.LayerNorm at
-// hidden 4096, it lost at 8 MB outputs (1.2-1.3x), was mixed at 16 MB and won from 32 MB
-// (0.7-0.9x, with fresh or reused memory alike). Elsewhere (not x86, not Linux) outputs are
-// written with plain stores.
+// unchanged, so results never depend on any of this.
+//
+// Streaming pays only past the caches: against nn.LayerNorm at hidden 4096 it lost at 8 MB
+// outputs (1.2-1.3x), was mixed at 16 MB and won from 32 MB (0.7-0.9x, with fresh or reused
+// memory alike). Elsewhere (not x86, not Linux) outputs are written with plain stores.
 constexpr int64_t LARGE_OUTPUT_BYTES = int64_t(32) << 20;
 #if defined(__SSE2__) && defined(__linux__)
 constexpr bool CAN_STREAM = true;
@@ -97,18 +98,22 @@ constexpr bool CAN_STREAM = true;
 #define MADV_POPULATE_WRITE 23
 #endif
 
+uintptr_t page_start(const void* p) {
+    return reinterpret_cast<uintptr_t>(p) & ~(static_cast<uintptr_t>(sysconf(_SC_PAGESIZE)) - 1);
+}
+
 bool page_mapped(const void* p) {
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
     unsigned char in_core = 0;
-    return mincore(reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1)), 1, &in_core) == 0 && (in_core & 1);
+    return mincore(reinterpret_cast<void*>(page_start(p)), 1, &in_core) == 0 && (in_core & 1);
 }
 
 // Whether [p, p + n) is mapped (its first and last pages say so) or could be mapped now.
 bool map_pages(void* p, int64_t n) {
-    if (n <= 0 || (page_mapped(p) && page_mapped(static_cast<char*>(p) + n - 1))) return n > 0;
-    const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(p) & ~(page - 1);
-    return madvise(reinterpret_cast<void*>(begin), reinterpret_cast<uintptr_t>(p) + n - begin, MADV_POPULATE_WRITE) == 0;
+    if (n <= 0) return false;
+    const char* last = static_cast<char*>(p) + n - 1;
+    if (page_mapped(p) && page_mapped(last)) return true;
+    const uintptr_t begin = page_start(p), size = reinterpret_cast<uintptr_t>(last) + 1 - begin;
+    return madvise(reinterpret_cast<void*>(begin), size, MADV_POPULATE_WRITE) == 0;
 }
 
 void stream_bytes(char* dst, const char* src, int64_t n) {
@@ -158,7 +163,9 @@ template <typename O> class RowWriter {
     }
     O* row(int64_t r) { return stream_ ? buffer_.data() : out_ + r * dim_; }
     void done(int64_t r) {
-        if (stream_) stream_bytes(reinterpret_cast<char*>(out_ + r * dim_), reinterpret_cast<const char*>(buffer_.data()), dim_ * int64_t(sizeof(O)));
+        if (!stream_) return;
+        stream_bytes(reinterpret_cast<char*>(out_ + r * dim_), reinterpret_cast<const char*>(buffer_.data()),
+                     dim_ * int64_t(sizeof(O)));
     }
 
   private:
@@ -168,15 +175,20 @@ template <typename O> class RowWriter {
     std::vector<O> buffer_;
 };
 
-// The contiguous rows [begin, end) of the calling thread, as static scheduling would give.
-void thread_rows(int64_t rows, int64_t& begin, int64_t& end, int64_t& tid, int64_t& nt) {
-    nt = 1, tid = 0;
+// The calling thread's contiguous share [begin, end) of the rows, as static scheduling gives.
+struct ThreadRows {
+    int64_t begin, end, tid, threads;
+};
+
+ThreadRows thread_rows(int64_t rows) {
+    int64_t tid = 0, threads = 1;
 #ifdef _OPENMP
-    nt = omp_get_num_threads();
     tid = omp_get_thread_num();
+    threads = omp_get_num_threads();
 #endif
-    const int64_t chunk = (rows + nt - 1) / nt;
-    begin = std::min(rows, tid * chunk), end = std::min(rows, begin + chunk);
+    const int64_t chunk = (rows + threads - 1) / threads;
+    const int64_t begin = std::min(rows, tid * chunk);
+    return {begin, std::min(rows, begin + chunk), tid, threads};
 }
 
 int64_t ceil_log2(int64_t n) {  // c10's CeilLog2: 1 for n <= 2
@@ -249,10 +261,9 @@ void forward(const T* x, const W* w, O* y, void* rstd_out, int64_t rows, int64_t
     const A eps_a = static_cast<A>(eps);
 #pragma omp parallel num_threads(threads)
     {
-        int64_t begin, end, tid, nt;
-        thread_rows(rows, begin, end, tid, nt);
-        RowWriter<O> out(y, rows, dim, begin, end);
-        for (int64_t r = begin; r < end; ++r) {
+        const ThreadRows mine = thread_rows(rows);
+        RowWriter<O> out(y, rows, dim, mine.begin, mine.end);
+        for (int64_t r = mine.begin; r < mine.end; ++r) {
             const T* xr = x + r * dim;
             O* yr = out.row(r);
             // Meta: torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps); torch's mean is sum / n.
@@ -293,16 +304,15 @@ void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W
     int64_t used = 1;  // how many threads the runtime gave us
 #pragma omp parallel num_threads(threads)
     {
-        int64_t begin, end, tid, nt;
-        thread_rows(rows, begin, end, tid, nt);
-        RowWriter<T> out(dx, rows, dim, begin, end);
-        if (tid == 0) used = nt;
-        A* dw_total = partial.data() + tid * 2 * dim;
+        const ThreadRows mine = thread_rows(rows);
+        RowWriter<T> out(dx, rows, dim, mine.begin, mine.end);
+        if (mine.tid == 0) used = mine.threads;
+        A* dw_total = partial.data() + mine.tid * 2 * dim;
         A* dw_block = dw_total + dim;
         std::fill(dw_total, dw_total + dim, A(0));
-        for (int64_t b = begin; b < end; b += DW_BLOCK) {
+        for (int64_t b = mine.begin; b < mine.end; b += DW_BLOCK) {
             std::fill(dw_block, dw_block + dim, A(0));
-            for (int64_t r = b; r < std::min(end, b + DW_BLOCK); ++r) {
+            for (int64_t r = b; r < std::min(mine.end, b + DW_BLOCK); ++r) {
                 const O* dyr = dy + r * dim;
                 const T* xr = x + r * dim;
                 T* dxr = out.row(r);
