@@ -30,6 +30,11 @@ from .model import ModelArgs, Transformer, ffn_hidden_dim
 from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
+HF_INDEX = WEIGHTS + ".index.json"
+# Hugging Face folders are written in safetensors files of at most this size: save_pretrained's
+# default before transformers 5, and well under the Hub's 50 GB limit per file (a 70B model
+# in bf16 is 138 GB).
+HF_MAX_SHARD_BYTES = 5 * 10**9
 META_PARAMS = "params.json"
 FORMATS = ("native", "meta", "hf")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # for --dtype
@@ -180,7 +185,7 @@ def _read_hf(path: Path, tokenizer_path=None):
 
 def _hf_weight_files(path: Path) -> list[Path]:
     """The weight files of a Hugging Face folder: safetensors before .bin, an index first."""
-    for single, index in ((WEIGHTS, WEIGHTS + ".index.json"), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+    for single, index in ((WEIGHTS, HF_INDEX), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (path / index).is_file():
             weight_map = _read_json(path / index).get("weight_map", {})
             return [path / name for name in sorted(set(weight_map.values()))]
@@ -260,28 +265,36 @@ def _torch_load(file: Path) -> dict:
 # --- Writing -------------------------------------------------------------------------------
 
 
-def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_path=None, shards: int = 1) -> Path:
+def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_path=None, shards: int = 1,
+                    max_shard_bytes: int = HF_MAX_SHARD_BYTES) -> Path:
     """Write model to the folder path in the given format; returns the folder.
 
     format is "native", "meta" (params.json + consolidated.NN.pth, split into `shards`
     model-parallel files as Meta's 13B (2) and 70B (8) are) or "hf" (opens with
-    transformers' LlamaForCausalLM.from_pretrained). tokenizer_path, when given, is copied
-    into the folder as tokenizer.model.
+    transformers' LlamaForCausalLM.from_pretrained; split into safetensors files of at most
+    max_shard_bytes, listed in model.safetensors.index.json, as save_pretrained does).
+    tokenizer_path, when given, is copied into the folder as tokenizer.model.
     """
     if format not in FORMATS:
         raise ValueError(f"unknown checkpoint format {format!r}; use one of {', '.join(FORMATS)}")
     if shards != 1 and format != "meta":
         raise ValueError(f"only the meta format is split into model-parallel shards, not {format!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    write = {"native": _write_native, "meta": _write_meta, "hf": _write_hf}[format]
-    write(model, path, shards)
+    if format == "native":
+        _write_native(model, path)
+    elif format == "meta":
+        _write_meta(model, path, shards)
+    else:
+        _write_hf(model, path, max_shard_bytes)
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
         atomic_write(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
     return path
 
 
-def _write_native(model: Transformer, path: Path, shards: int) -> None:
+def _write_native(model: Transformer, path: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
@@ -326,9 +339,36 @@ def meta_params(args: ModelArgs) -> dict:
     return params
 
 
-def _write_hf(model: Transformer, path: Path, shards: int) -> None:
+def _write_hf(model: Transformer, path: Path, max_shard_bytes: int) -> None:
     state = {k: v.contiguous() for k, v in to_hf_state_dict(model.state_dict(), model.args).items()}
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    files = shard_by_size(state, max_shard_bytes)
+    names = [WEIGHTS] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    for name, keys in zip(names, files):
+        shard = {k: state[k] for k in keys}
+        atomic_write(path / name, lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+    if len(files) > 1:
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        weight_map = {k: name for name, keys in zip(names, files) for k in keys}
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        atomic_write(path / HF_INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
+    else:
+        (path / HF_INDEX).unlink(missing_ok=True)  # a stale index would be read before the file
+    for stale in set(path.glob("model*.safetensors")) - {path / name for name in names}:
+        stale.unlink()  # left by an earlier write with another split
     config = hf_config_from_args(model.args)
     config["torch_dtype"] = str(model.output.weight.dtype).removeprefix("torch.")
     atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+
+
+def shard_by_size(state: dict, max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped, in order, into files of at most max_bytes (a larger tensor gets
+    a file of its own)."""
+    files, size = [[]], 0
+    for name, tensor in state.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if files[-1] and size + nbytes > max_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    return files

@@ -11,17 +11,18 @@ import argparse
 import sys
 from pathlib import Path
 
-from .checkpoint import DTYPES, FORMATS, find_tokenizer, load_checkpoint, save_checkpoint
+from .checkpoint import DTYPES, FORMATS, HF_MAX_SHARD_BYTES, find_tokenizer, load_checkpoint, save_checkpoint
 
 
-def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None, max_seq_len=None) -> Path:
+def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None, max_seq_len=None,
+            max_shard_bytes: int = HF_MAX_SHARD_BYTES) -> Path:
     """Load src (any format) and write it to the new folder dst in format `to`."""
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} already exists and is not an empty folder; choose a new destination")
     tokenizer_path = tokenizer_path or find_tokenizer(src)
     model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path)
-    return save_checkpoint(model, dst, format=to, tokenizer_path=tokenizer_path, shards=shards)
+    return save_checkpoint(model, dst, format=to, tokenizer_path=tokenizer_path, shards=shards, max_shard_bytes=max_shard_bytes)
 
 
 def main(argv=None) -> None:
@@ -30,6 +31,7 @@ def main(argv=None) -> None:
     p.add_argument("dst", help="new folder to write")
     p.add_argument("--to", required=True, choices=FORMATS)
     p.add_argument("--shards", type=int, default=1, help="model-parallel files for --to meta (13B: 2, 70B: 8)")
+    p.add_argument("--max-shard-gb", type=float, default=HF_MAX_SHARD_BYTES / 1e9, help="largest safetensors file for --to hf (default: %(default)g)")
     p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one in SRC or its parent)")
     p.add_argument("--max-seq-len", type=int, help="context length to record (default: SRC's, or 4096)")
@@ -38,7 +40,10 @@ def main(argv=None) -> None:
         p.error(f"--shards must be >= 1, got {args.shards}")
     if args.shards > 1 and args.to != "meta":
         p.error("--shards applies to --to meta only")
-    out = convert(args.src, args.dst, args.to, args.shards, DTYPES.get(args.dtype), args.tokenizer, args.max_seq_len)
+    if args.max_shard_gb <= 0:
+        p.error(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
+    out = convert(args.src, args.dst, args.to, args.shards, DTYPES.get(args.dtype), args.tokenizer, args.max_seq_len,
+                  max(1, int(args.max_shard_gb * 1e9)))
     print(f"wrote {args.to} checkpoint to {out}", file=sys.stderr)
 
 

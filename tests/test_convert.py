@@ -117,3 +117,42 @@ def test_convert_cli_refuses_to_overwrite_without_traceback(tmp_path):
     result = convert_cli(tmp_path / "a", tmp_path / "b", "--to", "meta")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "error:" in result.stderr and "already exists" in result.stderr
+
+
+def test_hf_output_is_sharded_by_size_as_save_pretrained_does(tmp_path):
+    """Files of at most max_shard_bytes, an index naming each tensor's file, and a folder that
+    transformers and load_checkpoint both open with the same logits."""
+    transformers = pytest.importorskip("transformers")
+    model = tiny_model()
+    limit = 60_000  # bytes; the largest tensor, a 192 x 64 fp32 FFN matrix, is 49,152
+    save_checkpoint(model, tmp_path, format="hf", max_shard_bytes=limit)
+    files = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(files) > 2 and not (tmp_path / "model.safetensors").exists()
+    assert files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert index["metadata"]["total_size"] == sum(p.numel() * 4 for p in hf.parameters())
+    from safetensors import safe_open
+
+    for f in files:  # each file within the limit, in tensor bytes
+        with safe_open(f, "pt") as shard:
+            assert sum(shard.get_tensor(k).numel() * 4 for k in shard.keys()) <= limit
+    tokens = torch.randint(0, 96, (2, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (hf(tokens).logits - model(tokens)).abs().max().item() <= 1e-4
+    assert_same_weights(load_checkpoint(tmp_path), model)
+
+    save_checkpoint(model, tmp_path, format="hf")  # rewritten as one file: index and shards go
+    assert sorted(f.name for f in tmp_path.glob("model*")) == ["model.safetensors"]
+    assert_same_weights(load_checkpoint(tmp_path), model)
+
+
+def test_convert_cli_max_shard_size(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path / "run")
+    result = convert_cli(tmp_path / "run", tmp_path / "hf", "--to", "hf", "--max-shard-gb", "0.00006")
+    assert result.returncode == 0, result.stderr
+    assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
+    assert_same_weights(load_checkpoint(tmp_path / "hf"), load_checkpoint(tmp_path / "run"))
+    bad = convert_cli(tmp_path / "run", tmp_path / "hf2", "--to", "hf", "--max-shard-gb", "0")
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--max-shard-gb must be > 0" in bad.stderr
