@@ -3,14 +3,22 @@
 The RMSNorm model uses norm_impl "auto" (the fused kernel, as training does); the same
 model with Meta's eager RMSNorm ("reference") is timed alongside to show what the kernel
 buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in a
-random order; ratios are per round against the LayerNorm model, median over rounds, so
-load from other processes falls on all variants alike.
+random order, and ratios are per round against the LayerNorm model, so load from other
+processes falls on all variants alike.
+
+Where a model's tensors happen to lie in memory moves its step time by a few percent: two
+identical models built one after the other differed by 1% in forward and 4% in the optimizer
+step here. So each trial builds every variant afresh, in a random order, and the result is
+the geometric mean of the per-round ratios over all trials, with the spread of the trials'
+own means and the standard error those give (placement, not per-round noise, dominates it).
 
     python bench/norm_step_speed.py            # the ablation's model, train.py's and a wider one
-    python bench/norm_step_speed.py --quick    # the ablation's model only, fewer rounds
+    python bench/norm_step_speed.py --quick    # the ablation's model only, fewer trials
 """
 
 import argparse
+import gc
+import math
 import os
 import random
 import statistics
@@ -57,10 +65,37 @@ def make_step(args: ModelArgs, batch: int, seq_len: int, device):
     return step, sum(p.numel() for p in model.parameters())
 
 
+def run_trial(variants: list, fields: dict, batch: int, seq_len: int, device, rounds: int, rng: random.Random):
+    """Build every variant in a random order, then time `rounds` interleaved steps:
+    {variant: per-round step times}, and the parameter counts."""
+    steps, params = {}, {}
+    for variant in rng.sample(variants, len(variants)):
+        overrides = VARIANTS[variant]
+        steps[variant], params[variant] = make_step(ModelArgs(**fields, **overrides, max_seq_len=seq_len), batch, seq_len, device)
+        steps[variant]()  # warm-up: builds the kernel, touches every buffer
+    times = {v: [] for v in variants}
+    order = list(steps)
+    for _ in range(rounds):
+        rng.shuffle(order)  # a fresh order each round: no variant always follows the same one
+        for v in order:
+            start = time.perf_counter()
+            steps[v]()
+            times[v].append(time.perf_counter() - start)
+    del steps
+    gc.collect()
+    return times, params
+
+
+def geometric_mean(logs: list) -> float:
+    return math.exp(statistics.fmean(logs))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="the ablation's model only, 9 rounds")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per model (default 15, --quick 9)")
+    ap.add_argument("--quick", action="store_true", help="the ablation's model only, 4 trials")
+    ap.add_argument("--trials", type=int, default=None, help="fresh builds of every variant per model (default 8, --quick 4)")
+    ap.add_argument("--rounds", type=int, default=20, help="interleaved steps per trial (default 20)")
+    ap.add_argument("--no-reference", action="store_true", help="time only fused RMSNorm and LayerNorm (more rounds in the same time)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     args = ap.parse_args(argv)
@@ -68,27 +103,28 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     models = MODELS[:1] if args.quick else MODELS
-    rounds = args.rounds or (9 if args.quick else 15)
+    trials = args.trials or (4 if args.quick else 8)
     wait_policy = os.environ.get("OMP_WAIT_POLICY", "unset")
     print(f"device {device}, torch {torch.__version__}, {torch.get_num_threads()} threads, OMP_WAIT_POLICY {wait_policy}, load average {os.getloadavg()[0]:.2f}")
-    print("ratio = step time / the LayerNorm model's step time in the same round: median and quartiles over rounds\n")
+    print("ratio = step time / the LayerNorm model's in the same round: geometric mean over all rounds ± standard error of the")
+    print(f"trials' means; trials = their range ({trials} trials x {args.rounds} rounds, models rebuilt in a random order per trial)\n")
+    rng = random.Random(0)
+    variants = [v for v in VARIANTS if not (args.no_reference and v == "rmsnorm (reference)")]
     for name, fields, batch, seq_len in models:
-        steps, params = {}, {}
-        for variant, overrides in VARIANTS.items():
-            steps[variant], params[variant] = make_step(ModelArgs(**fields, **overrides, max_seq_len=seq_len), batch, seq_len, device)
-            steps[variant]()  # warm-up: builds the kernel, touches every buffer
-        times = {v: [] for v in steps}
-        order, rng = list(steps), random.Random(0)
-        for _ in range(rounds):
-            rng.shuffle(order)  # a fresh order each round: no variant always follows the same one
-            for v in order:
-                start = time.perf_counter()
-                steps[v]()
-                times[v].append(time.perf_counter() - start)
-        print(f"{name}: {fields}, batch {batch} x {seq_len} tokens, {rounds} rounds")
-        for v, ts in times.items():
-            q1, ratio, q3 = statistics.quantiles([t / b for t, b in zip(ts, times["layernorm"])], n=4)
-            print(f"  {v:20} {statistics.median(ts) * 1e3:8.1f} ms/step  {ratio:5.3f}x  (quartiles {q1:.3f}-{q3:.3f}; {params[v]:,} parameters)")
+        times, logs, trial_means = ({v: [] for v in variants} for _ in range(3))
+        for _ in range(trials):
+            trial, params = run_trial(variants, fields, batch, seq_len, device, args.rounds, rng)
+            for v, ts in trial.items():
+                trial_logs = [math.log(t / b) for t, b in zip(ts, trial["layernorm"])]
+                times[v] += ts
+                logs[v] += trial_logs
+                trial_means[v].append(geometric_mean(trial_logs))
+        print(f"{name}: {fields}, batch {batch} x {seq_len} tokens")
+        for v in variants:
+            trial_logs = [math.log(m) for m in trial_means[v]]
+            se = statistics.stdev(trial_logs) / math.sqrt(trials) if trials > 1 else 0.0
+            print(f"  {v:20} {statistics.median(times[v]) * 1e3:8.1f} ms/step  {geometric_mean(logs[v]):.3f}x ± {se:.3f}"
+                  f"  (trials {min(trial_means[v]):.3f}-{max(trial_means[v]):.3f}; {params[v]:,} parameters)")
         print()
     print(f"load average at the end {os.getloadavg()[0]:.2f}")
 

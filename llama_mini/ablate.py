@@ -7,10 +7,12 @@ variant trains with the same seeds (so the same initial matrices and the same ba
 data, model size and steps; only the normalisation layer differs. Each RMSNorm uses the
 fused kernel where it runs (norm_impl "auto"), as LayerNorm uses torch's fused one.
 
-The variants train round-robin in one process: each takes one optimizer step in turn and
-is timed over its own steps only. A burst of load from elsewhere on the machine then falls
-on all variants alike, which keeps the wall-clock comparison fair on a shared computer.
-Evaluation is not timed.
+The variants are built in a random order and train round-robin in one process: each takes
+one optimizer step in turn, in a fresh random order each round, and is timed over its own
+steps only. A burst of load from elsewhere on the machine then falls on all variants
+alike, and no variant always runs first or always follows the same one (in a fixed order,
+runs' speeds followed their position in the round: the three RMSNorm runs, 1st, 2nd and
+3rd each round, made 5.87, 5.90 and 5.94 steps/s). Evaluation is not timed.
 
 Writes to --out: report.md (final validation loss, mean and sd over seeds; tokens/s;
 steps/s; training time to reach a target loss; parameter count), metrics.csv (every step
@@ -22,6 +24,7 @@ import argparse
 import csv
 import dataclasses
 import math
+import random
 import statistics
 import sys
 import time
@@ -35,7 +38,7 @@ from .model import NORMS
 from .training import NonFiniteLoss, TrainConfig, Trainer
 
 # Defaults sized so that rmsnorm, layernorm and none with 3 seeds (9 runs) finish within
-# 15 minutes on two CPU cores (9.5 measured when idle, 14.5 when shared with other jobs):
+# 15 minutes on two CPU cores (7.6 measured when idle, 14.5 when shared with other jobs):
 # a model a little smaller than train.py's.
 DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, batch_size=16, seq_len=128, max_steps=300, warmup_steps=30, eval_every=25, eval_iters=5)
 
@@ -75,11 +78,15 @@ class Run:
 def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Optional[float] = None) -> Path:
     """Train every norm with every seed round-robin; write the report into out; return it."""
     out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for norm in norms:
-        for k in range(seeds):
+    # Where a model's tensors land in memory moves its step time by a percent or two
+    # (bench/norm_step_speed.py), and the order of building decides where they land:
+    # build each seed's variants in a random order, so no norm is always built first.
+    rng, built = random.Random(cfg.seed), {}
+    for k in range(seeds):
+        for norm in rng.sample(norms, len(norms)):
             run_cfg = dataclasses.replace(cfg, norm=norm, seed=cfg.seed + k, out=str(out / "runs" / f"{norm}-seed{cfg.seed + k}"))
-            runs.append(Run(norm, run_cfg.seed, Trainer(run_cfg)))
+            built[norm, k] = Run(norm, run_cfg.seed, Trainer(run_cfg))
+    runs = [built[norm, k] for norm in norms for k in range(seeds)]
     trainer = runs[0].trainer
     print(
         f"{len(norms)} norms x {seeds} seeds, {cfg.max_steps} steps each: dim {cfg.dim}, {cfg.n_layers} layers, "
@@ -87,9 +94,11 @@ def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Op
     )
     for run in runs:
         run.evaluate()
+    order = list(runs)  # each run has its own RNGs: the order changes no number
     with tqdm(total=cfg.max_steps * len(runs), unit="step", dynamic_ncols=True) as bar:
         for step in range(1, cfg.max_steps + 1):
-            for run in runs:
+            rng.shuffle(order)
+            for run in order:
                 if run.diverged_at is None:
                     run.step()
                     if run.diverged_at is not None:

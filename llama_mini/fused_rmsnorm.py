@@ -6,20 +6,22 @@ in backward: on CPU it is 2.6-7.8x slower than torch's fused nn.LayerNorm, which
 RMSNorm paper's speed claim upside down. This module gives RMSNorm a kernel at least as
 fused as LayerNorm's, so the ablation compares like with like:
 
-- CPU: `csrc/rms_norm.cpp`, compiled on first use with the system C++ compiler into
-  ~/.cache/llama_mini (a few seconds, once per machine and source version) and called
-  through ctypes. No ninja, torch headers or Python headers are needed.
+- CPU: the torch operator `llama_mini::rms_norm` (`csrc/rms_norm_op.cpp`, with its autograd
+  node in C++) over the kernels of `csrc/rms_norm.cpp`. Compiled on first use with the
+  system C++ compiler against the headers in torch's wheel into ~/.cache/llama_mini (about
+  20 s, once per machine, source and torch version) and loaded with torch.ops.load_library.
+  No ninja and no Python headers are needed.
 - CUDA: Meta's formula under torch.compile; Inductor emits one Triton kernel each way.
   (Not measured: no GPU was available when this was written.)
 
 The CPU forward pass is Meta's result bit for bit: it rounds where Meta's code rounds
 (x * rstd to the input dtype, then the product with the weight) and adds the squares in the
 order torch's sum kernel does (CpuKernel.calibrate checks this at load time; where the order
-cannot be matched the statistic may differ in its last float32 bit). The backward pass keeps float32 throughout and rounds each
-gradient once, so it is at least as accurate as autograd's op-by-op chain.
+cannot be matched the statistic may differ in its last float32 bit). The backward pass keeps
+float32 throughout and rounds each gradient once, so it is at least as accurate as
+autograd's op-by-op chain.
 """
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -31,13 +33,16 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils import cpp_extension
 
-SOURCE = Path(__file__).with_name("csrc") / "rms_norm.cpp"
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "rms_norm.cpp", CSRC / "rms_norm_op.cpp"]
+HEADERS = [CSRC / "rms_norm.h"]
+CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     CXX_FLAGS.append("-mprefer-vector-width=512")  # gcc's default 256 is ~25% slower here on AVX-512 CPUs
-# (input dtype, weight dtype) pairs the CPU kernel implements; the output dtype is their
-# promotion, as in Meta's `type_as(x) * weight`. Other pairs use the reference code.
+# (input dtype, weight dtype) pairs the CPU kernel implements (csrc/rms_norm.h); the output
+# dtype is their promotion, as in Meta's `type_as(x) * weight`. Other pairs use the reference.
 CPU_DTYPES = {
     (torch.float32, torch.float32),
     (torch.float64, torch.float64),
@@ -75,11 +80,27 @@ def _compiler() -> str:
     return cxx
 
 
+def _torch_flags() -> list:
+    """Compile against the headers and libraries in torch's own wheel, with its C++ ABI."""
+    lib_dirs = cpp_extension.library_paths()
+    return [
+        *(f"-I{d}" for d in cpp_extension.include_paths()),
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        *(f"-L{d}" for d in lib_dirs),
+        *(f"-Wl,-rpath,{d}" for d in lib_dirs),
+        "-lc10",
+        "-ltorch_cpu",
+    ]
+
+
 def _build_key(cxx: str) -> str:
-    """A hash of everything the binary depends on: source, compiler, flags and this CPU
-    (-march=native code must not run on another machine sharing the home directory)."""
-    h = hashlib.sha256(SOURCE.read_bytes())
-    h.update(" ".join(CXX_FLAGS).encode())
+    """A hash of everything the binary depends on: sources, compiler, flags, torch and this
+    CPU (-march=native code must not run on another machine sharing the home directory)."""
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
+    h.update(" ".join(CXX_FLAGS + _torch_flags()).encode())
+    h.update(torch.__version__.encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True).stdout)
     h.update(platform.machine().encode())
     try:
@@ -91,12 +112,13 @@ def _build_key(cxx: str) -> str:
 
 
 def library_path() -> Path:
-    """Where the binary for this source, compiler and CPU is (or will be) cached."""
+    """Where the binary for these sources, compiler, torch and CPU is (or will be) cached."""
     return cache_dir() / f"rms_norm-{_build_key(_compiler())}.so"
 
 
 def build(force: bool = False) -> Path:
-    """Compile the CPU kernel unless a binary for this source, compiler and CPU is cached.
+    """Compile the CPU operator unless a binary for these sources, compiler, torch and CPU
+    is cached.
 
     Returns the shared library's path. The binary is written under a temporary name and
     moved into place, so concurrent processes (DDP ranks, test workers) never load a
@@ -108,10 +130,11 @@ def build(force: bool = False) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     tmp = lib.with_name(f".{lib.name}.tmp-{os.getpid()}")
     try:
-        result = subprocess.run([cxx, *CXX_FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True, timeout=300)
+        command = [cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", str(tmp), *_torch_flags()]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=600)
         if result.returncode != 0:
             errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines() or ["?"]
-            raise RuntimeError(f"{Path(cxx).name} failed on {SOURCE.name}: {errors[0]}")
+            raise RuntimeError(f"{Path(cxx).name} failed on {', '.join(p.name for p in SOURCES)}: {errors[0]}")
         os.replace(tmp, lib)
     finally:
         tmp.unlink(missing_ok=True)
@@ -123,78 +146,37 @@ def cpu_kernel():
     """The loaded and self-checked CPU kernel as (CpuKernel, None), or (None, why not).
 
     Loaded after torch, so the kernel's OpenMP calls bind to the libgomp torch already
-    holds and both share one thread pool. Cached: at most one build per process.
+    holds and both share one thread pool. Cached: at most one build and one load per
+    process (an operator's name can be registered with torch only once).
     """
     try:
         start = time.perf_counter()
         path = build()
-        kernel = CpuKernel(ctypes.CDLL(str(path)))
+        torch.ops.load_library(str(path))
+        kernel = CpuKernel()
         with torch.inference_mode(False), torch.enable_grad():  # the first use may be inside no_grad
             kernel.calibrate()
             _self_check(kernel)
         log.debug("fused RMSNorm kernel %s ready in %.2f s", path, time.perf_counter() - start)
         return kernel, None
-    except (RuntimeError, OSError, subprocess.SubprocessError, AttributeError) as e:
-        return None, str(e)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-P, I64, I32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-# Below this many elements one thread does the work: waking the others costs more (torch's
-# own GRAIN_SIZE). One decoded token per row is the common case.
-PARALLEL_MIN_ELEMENTS = 32768
-
-
-def _bind(lib, name: str, argtypes: list):
-    fn = getattr(lib, name)
-    fn.argtypes, fn.restype = argtypes, None
-    return fn
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, str(e).splitlines()[0]
 
 
 class CpuKernel:
-    """The compiled library, called on contiguous tensors (..., dim) seen as rows."""
+    """The loaded operator, with the summation width that reproduces torch's mean."""
 
-    def __init__(self, lib):
-        self.fwd, self.bwd = {}, {}
-        for x, w in CPU_DTYPES:
-            name = f"{_dtype_name(x)}_{_dtype_name(w)}"
-            # the output dtype and the statistic's, looked up once rather than on every call
-            types = torch.promote_types(x, w), torch.float64 if x == torch.float64 else torch.float32
-            self.fwd[x, w] = _bind(lib, f"rms_norm_fwd_{name}", [P, P, P, P, I64, I64, I64, F64, I32, I32]), *types
-            self.bwd[x, w] = _bind(lib, f"rms_norm_bwd_{name}", [P, P, P, P, P, P, I64, I64, I64, I32])
+    def __init__(self):
+        self.op = torch.ops.llama_mini.rms_norm.default
         # Width of the vectors torch's CPU sum kernel adds with. It is not always the CPU's
         # widest (torch runs its sum with 32-byte vectors on AVX-512 machines), so
         # calibrate() measures it rather than guessing from the CPU.
         self.vector_bytes = 32
         self.bitwise_meta = False  # whether calibrate() found torch's exact summation order
 
-    @staticmethod
-    def threads(n: int) -> int:
-        return torch.get_num_threads() if n >= PARALLEL_MIN_ELEMENTS else 1
-
-    # Python runs on every call of these two, which matters for small activations: they do
-    # as little as they can around the one foreign call.
-    def forward(self, x, weight, eps: float, n_rms: int):
-        """Contiguous x (..., dim) -> output and per-row 1/rms (float32; float64 for float64 x)."""
-        fn, out_dtype, acc = self.fwd[x.dtype, weight.dtype]
-        n, dim = x.numel(), x.shape[-1]
-        rows = n // dim if dim else 0
-        y = torch.empty(x.shape, dtype=out_dtype)
-        rstd = torch.empty(rows, dtype=acc)
-        fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, n_rms, eps,
-           self.vector_bytes // acc.itemsize, self.threads(n))
-        return y, rstd
-
-    def backward(self, dy, x, weight, rstd, n_rms: int):
-        """Gradients of x and weight; dy is contiguous, with the output's shape and dtype."""
-        dx = torch.empty_like(x)
-        dw = torch.empty_like(weight)
-        self.bwd[x.dtype, weight.dtype](dy.data_ptr(), x.data_ptr(), weight.data_ptr(), rstd.data_ptr(), dx.data_ptr(),
-                                         dw.data_ptr(), rstd.shape[0], x.shape[-1], n_rms, self.threads(x.numel()))
-        return dx, dw
+    def __call__(self, x, weight, eps: float, n_rms: int):
+        """RMSNorm of x (any shape and strides) with autograd, as Meta's formula computes it."""
+        return self.op(x, weight, eps, n_rms, self.vector_bytes)
 
     def calibrate(self) -> None:
         """Pick the vector width at which the forward pass equals Meta's code bit for bit,
@@ -204,7 +186,7 @@ class CpuKernel:
         w = torch.ones(203)
         expected = rms_norm_eager(x, w, 1e-5, 203)
         for self.vector_bytes in (32, 64, 16, 8, 4):
-            if torch.equal(self.forward(x, w, 1e-5, 203)[0], expected):
+            if torch.equal(self(x, w, 1e-5, 203), expected):
                 self.bitwise_meta = True
                 return
         self.vector_bytes = 32  # no exact match: still within float32 rounding of Meta's
@@ -221,36 +203,11 @@ def _self_check(kernel: CpuKernel) -> None:
     for n_rms in (48, 7):
         expected = rms_norm_eager(x, w, 1e-5, n_rms)
         ex_dx, ex_dw = torch.autograd.grad(expected, (x, w), dy)
-        got = _RMSNormFunction.apply(x, w, 1e-5, n_rms, kernel)
+        got = kernel(x, w, 1e-5, n_rms)
         dx, dw = torch.autograd.grad(got, (x, w), dy)
         for a, b in ((got, expected), (dx, ex_dx), (dw, ex_dw)):
             if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
                 raise RuntimeError("the compiled kernel disagrees with the reference formula")
-
-
-# --- The autograd function -----------------------------------------------------------------
-
-
-class _RMSNormFunction(torch.autograd.Function):
-    """x (..., dim) -> RMSNorm(x) * weight by the CPU kernel; saves x and the per-row
-    1/rms (one float per row) for backward, which recomputes everything else. Outputs
-    are allocated in their final shape: returning a view of a tensor made here costs
-    autograd extra work on every call."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps, n_rms, kernel):
-        x, weight = x.contiguous(), weight.contiguous()
-        y, rstd = kernel.forward(x, weight, eps, n_rms)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.n_rms, ctx.kernel = n_rms, kernel
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        dx, dw = ctx.kernel.backward(dy.contiguous(), x, weight, rstd, ctx.n_rms)
-        return dx, dw, None, None, None
 
 
 # --- Choosing the implementation -------------------------------------------------------------
@@ -283,10 +240,7 @@ def rms_norm_fused(x, weight, eps: float, n_rms: int):
     """
     if x.device.type == "cuda":
         return _compiled_eager()(x, weight, eps, n_rms)
-    kernel = cpu_kernel()[0]
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNormFunction.apply(x, weight, eps, n_rms, kernel)
-    return kernel.forward(x.contiguous(), weight.contiguous(), eps, n_rms)[0]
+    return cpu_kernel()[0](x, weight, eps, n_rms)
 
 
 @functools.cache

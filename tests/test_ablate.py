@@ -76,6 +76,28 @@ def test_variants_start_from_the_same_matrices_and_see_the_same_batches(tmp_path
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
 
 
+def test_runs_step_in_a_fresh_order_each_round_which_changes_no_number(tmp_path, data, monkeypatch):
+    """A fixed order would give each position its own cache state, hence its own speed."""
+    order, real_step = [], Trainer.train_step
+
+    def recording_step(self):
+        order.append(self.cfg.norm)
+        return real_step(self)
+
+    def train_losses(out, norm):
+        with open(out / "metrics.csv") as f:
+            return [r["train_loss"] for r in csv.DictReader(f) if r["norm"] == norm and r["train_loss"]]
+
+    common = dict(**TINY, **data, seeds=1, max_steps=6, warmup_steps=1, eval_every=3, device="cpu")
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    assert main(flags(**common, norms="rmsnorm,layernorm,none", out=tmp_path / "three")) == 0
+    rounds = [tuple(order[i : i + 3]) for i in range(0, 18, 3)]
+    assert all(sorted(r) == ["layernorm", "none", "rmsnorm"] for r in rounds)  # each run once per round
+    assert len(set(rounds)) > 1 and len({r[0] for r in rounds}) > 1  # in changing orders
+    assert main(flags(**common, norms="layernorm", out=tmp_path / "alone")) == 0
+    assert train_losses(tmp_path / "three", "layernorm") == train_losses(tmp_path / "alone", "layernorm")
+
+
 # --- The report ---------------------------------------------------------------------------------
 
 

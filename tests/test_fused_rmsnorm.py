@@ -2,9 +2,10 @@
 
 The reference path (impl="reference") is checked against hand computation in
 test_rmsnorm.py; here the fused kernel is checked against the reference, against float64
-truth, and by gradcheck. The kernel is built on first use (about a second) and cached.
+truth, and by gradcheck. The kernel is built on first use (about 20 s) and cached.
 """
 
+import ctypes
 import logging
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from llama_mini import ModelArgs, RMSNorm, Transformer, fused_rmsnorm
 
 EPS = 1e-5
+KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RMSNormFunction>"  # csrc/rms_norm_op.cpp
 
 requires_kernel = pytest.mark.skipif(
     fused_rmsnorm.cpu_kernel()[0] is None, reason=f"fused RMSNorm kernel unavailable: {fused_rmsnorm.cpu_kernel()[1]}"
@@ -94,7 +96,7 @@ def test_half_precision_gradients_within_rounding_of_float64_truth(dtype):
 def test_gradcheck_float64_runs_the_kernel(p):
     _, fused = norm_pair(16, p, torch.float64)
     x = torch.randn(3, 5, 16, dtype=torch.float64, requires_grad=True)
-    assert fused(x).grad_fn.name() == "_RMSNormFunctionBackward"
+    assert fused(x).grad_fn.name() == KERNEL_NODE
     assert torch.autograd.gradcheck(fused, (x,))
 
 
@@ -131,7 +133,7 @@ def test_empty_input_gives_empty_output_and_zero_weight_gradient():
 def test_model_default_norm_is_auto_and_runs_the_kernel():
     model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32, norm="rmsnorm"))
     assert model.norm.impl == "auto" and model.layers[0].attention_norm.impl == "auto"
-    assert model.norm(torch.randn(2, 64)).grad_fn.name() == "_RMSNormFunctionBackward"
+    assert model.norm(torch.randn(2, 64)).grad_fn.name() == KERNEL_NODE
 
 
 @requires_kernel
@@ -147,7 +149,7 @@ def test_auto_model_equals_reference_model():
 
 @requires_kernel
 def test_torch_compile_traces_the_reference_code_in_one_graph():
-    """Under torch.compile Inductor fuses the reference itself; the ctypes kernel would
+    """Under torch.compile Inductor fuses the reference itself; the opaque kernel would
     break the graph, which fullgraph=True turns into an error."""
     reference, fused = norm_pair(32)
     compiled = torch.compile(fused, backend="eager", fullgraph=True)
@@ -188,17 +190,40 @@ def test_unknown_impl_is_refused():
 
 @requires_kernel
 def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkeypatch):
+    """Runs the real build command on a small source (the operator takes ~20 s to compile)."""
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
+    small = tmp_path / "small.cpp"
+    small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 42; }\n')
+    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [small])
     first = fused_rmsnorm.build()
-    assert first.parent == tmp_path and first.is_file()
+    assert first.parent == tmp_path and ctypes.CDLL(str(first)).answer() == 42
     mtime = first.stat().st_mtime_ns
     assert fused_rmsnorm.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
+    small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 43; }\n')
+    assert fused_rmsnorm.build() != first  # a changed source is a new binary
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(fused_rmsnorm, "SOURCE", bad)
+    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [bad])
     with pytest.raises(RuntimeError, match="failed on bad.cpp: .*error"):
         fused_rmsnorm.build()
-    assert [p.name for p in tmp_path.glob("*.so")] == [first.name]  # no half-written binary left
+    assert len(list(tmp_path.glob("*.so"))) == 2 and not list(tmp_path.glob(".*"))  # no half-written binary left
+
+
+@requires_kernel
+def test_weight_of_the_wrong_size_is_refused_in_one_line():
+    kernel = fused_rmsnorm.cpu_kernel()[0]
+    with pytest.raises(RuntimeError, match=r"weight of shape \[63\] for input of shape \[2, 64\]; the weight needs"):
+        kernel(torch.randn(2, 64), torch.ones(63), EPS, 64)
+
+
+@requires_kernel
+def test_second_order_gradients_are_refused_not_silently_zero():
+    _, fused = norm_pair(16)
+    x = torch.randn(4, 16, requires_grad=True)
+    (dx,) = torch.autograd.grad(fused(x).pow(2).sum(), x, create_graph=False)
+    assert dx.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="cannot be differentiated again; use RMSNorm\\(impl='reference'\\)"):
+        torch.autograd.grad(fused(x).pow(2).sum(), x, create_graph=True)
 
 
 @requires_kernel
@@ -221,15 +246,19 @@ def test_large_outputs_written_by_streaming_stores_equal_the_reference(fresh_out
     (csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
     4099 puts most rows off the vector alignment, so the copy's head and tail run too."""
     kernel = fused_rmsnorm.cpu_kernel()[0]
+    library = ctypes.CDLL(str(fused_rmsnorm.library_path()))  # the loaded operator's own kernels, by their C ABI
     rows, dim = 2048, 4099  # 33.6 MB of float32 per output
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)
     w = torch.rand(dim, generator=g) + 0.5
     new = torch.empty if fresh_output else torch.ones  # torch.ones touches every page
     y, rstd, dx, dw = new(rows, dim), torch.empty(rows), new(rows, dim), torch.empty(dim)
-    fwd, bwd = kernel.fwd[torch.float32, torch.float32][0], kernel.bwd[torch.float32, torch.float32]
-    fwd(x.data_ptr(), w.data_ptr(), y.data_ptr(), rstd.data_ptr(), rows, dim, dim, EPS, kernel.vector_bytes // 4, torch.get_num_threads())
-    bwd(dy.data_ptr(), x.data_ptr(), w.data_ptr(), rstd.data_ptr(), dx.data_ptr(), dw.data_ptr(), rows, dim, dim, torch.get_num_threads())
+    i64, threads = ctypes.c_int64, torch.get_num_threads()
+    library.rms_norm_fwd_float32_float32(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(w.data_ptr()), ctypes.c_void_p(y.data_ptr()),
+                                         ctypes.c_void_p(rstd.data_ptr()), i64(rows), i64(dim), i64(dim), ctypes.c_double(EPS),
+                                         kernel.vector_bytes // 4, threads)
+    library.rms_norm_bwd_float32_float32(*(ctypes.c_void_p(t.data_ptr()) for t in (dy, x, w, rstd, dx, dw)),
+                                         i64(rows), i64(dim), i64(dim), threads)
 
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
     expected = fused_rmsnorm.rms_norm_eager(xr, wr, EPS, dim)

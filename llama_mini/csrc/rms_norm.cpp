@@ -11,9 +11,9 @@
 // the weight to the output dtype. Built with -ffp-contract=off so that no multiply-add is
 // fused behind our back: torch rounds x*x before adding it.
 //
-// Plain C ABI over raw pointers, loaded with ctypes by llama_mini/fused_rmsnorm.py: no
-// torch or Python headers, so it builds in seconds with any C++17 compiler. OpenMP
-// threads come from the libgomp torch already loaded, so there is one thread pool.
+// Plain C++ over raw pointers behind a C ABI (rms_norm.h), without torch: the arithmetic
+// reads on its own, and rms_norm_op.cpp makes it a torch operator. OpenMP threads come
+// from the libgomp torch already loaded, so there is one thread pool.
 //
 // Backward, with g = dy * w, r = rstd and k = n_rms (the partial-RMSNorm prefix):
 //   dx_j = r * g_j - [j < k] * x_j * r^3 / k * sum_i g_i x_i
@@ -37,6 +37,8 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #endif
+
+#include "rms_norm.h"
 
 namespace {
 
@@ -342,25 +344,31 @@ void backward(const O* dy, const T* x, const W* w, const void* rstd_in, T* dx, W
 
 }  // namespace
 
-// One exported pair per (input, weight) dtype combination; the Python side picks by name.
-#define RMS_NORM_EXPORT(NAME, T, W, O)                                                          \
-    extern "C" void rms_norm_fwd_##NAME(const void* x, const void* w, void* y, void* rstd,      \
-                                        int64_t rows, int64_t dim, int64_t n_rms, double eps,   \
-                                        int lanes, int threads) {                               \
-        forward<T, W, O>(static_cast<const T*>(x), static_cast<const W*>(w), static_cast<O*>(y), \
-                         rstd, rows, dim, n_rms, eps, lanes, threads);                          \
-    }                                                                                           \
-    extern "C" void rms_norm_bwd_##NAME(const void* dy, const void* x, const void* w,          \
-                                        const void* rstd, void* dx, void* dw,                   \
-                                        int64_t rows, int64_t dim, int64_t n_rms, int threads) { \
-        backward<T, W, O>(static_cast<const O*>(dy), static_cast<const T*>(x),                  \
-                          static_cast<const W*>(w), rstd, static_cast<T*>(dx),                  \
-                          static_cast<W*>(dw), rows, dim, n_rms, threads);                      \
+// One exported pair per dtype pair of rms_norm.h.
+namespace storage {  // at::k<dtype> name -> the type the kernels read and write
+using Float = float;
+using Double = double;
+using BFloat16 = bf16;
+using Half = f16;
+}  // namespace storage
+
+#define RMS_NORM_DEFINE(NAME, X_DTYPE, W_DTYPE)                                                    \
+    extern "C" void rms_norm_fwd_##NAME(const void* x, const void* w, void* y, void* rstd,        \
+                                        int64_t rows, int64_t dim, int64_t n_rms, double eps,     \
+                                        int lanes, int threads) {                                 \
+        using T = storage::X_DTYPE;                                                               \
+        using W = storage::W_DTYPE;                                                               \
+        forward<T, W, W>(static_cast<const T*>(x), static_cast<const W*>(w), static_cast<W*>(y),  \
+                         rstd, rows, dim, n_rms, eps, lanes, threads);                            \
+    }                                                                                             \
+    extern "C" void rms_norm_bwd_##NAME(const void* dy, const void* x, const void* w,            \
+                                        const void* rstd, void* dx, void* dw, int64_t rows,       \
+                                        int64_t dim, int64_t n_rms, int threads) {                \
+        using T = storage::X_DTYPE;                                                               \
+        using W = storage::W_DTYPE;                                                               \
+        backward<T, W, W>(static_cast<const W*>(dy), static_cast<const T*>(x),                    \
+                          static_cast<const W*>(w), rstd, static_cast<T*>(dx),                    \
+                          static_cast<W*>(dw), rows, dim, n_rms, threads);                        \
     }
 
-RMS_NORM_EXPORT(float32_float32, float, float, float)
-RMS_NORM_EXPORT(float64_float64, double, double, double)
-RMS_NORM_EXPORT(bfloat16_bfloat16, bf16, bf16, bf16)
-RMS_NORM_EXPORT(float16_float16, f16, f16, f16)
-RMS_NORM_EXPORT(bfloat16_float32, bf16, float, float)
-RMS_NORM_EXPORT(float16_float32, f16, float, float)
+RMS_NORM_DTYPES(RMS_NORM_DEFINE)
