@@ -16,7 +16,6 @@ when first used, so peak memory is about the size of the files.
 
 import dataclasses
 import json
-import os
 import pickle
 import shutil
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from .files import atomic_write
 from .hf import args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
 from .model import ModelArgs, Transformer, ffn_hidden_dim
 from .tokenizer import Tokenizer
@@ -43,23 +43,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # RowParallelLinear and ParallelEmbedding split their input / embedding features (dim 1).
 # 1-D tensors (the norm weights) are replicated on every rank.
 _META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1, "tok_embeddings": 1}
-
-
-def atomic_write(path, write) -> None:
-    """Call write(tmp_path), then move tmp_path onto path in one step.
-
-    os.replace is atomic on POSIX, so a crash (or a full disk) at any moment leaves either
-    the old file or the new one, never a torn mix.
-    """
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 # --- Reading -------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from . import corpus as stories
-from .checkpoint import atomic_write
+from .files import atomic_write
 from .tokenizer import Tokenizer
 
 CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about 1 MB, cut at line ends

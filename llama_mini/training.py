@@ -31,9 +31,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from .checkpoint import LATEST, TOKENIZER, atomic_write, build_model, load_checkpoint, save_checkpoint
+from .checkpoint import LATEST, TOKENIZER, build_model, load_checkpoint, save_checkpoint
 from .data import TokenSplits, corpus_name, load_tokenizer, open_corpus, tokenize
 from .device import pick_device
+from .files import atomic_write, fsync_dir
 from .generation import generate
 from .model import ModelArgs, Transformer
 from .run_lock import RunLock
@@ -168,18 +169,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     per_layer = attention + 3 * args.dim * args.ffn_dim  # + w1, w2, w3
     matmul_weights = args.n_layers * per_layer + args.dim * args.vocab_size
     return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename inside path durable (POSIX); a no-op where directories cannot be opened."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed=None) -> str:
