@@ -11,22 +11,27 @@ Three formats, told apart by detect_format:
 Loading never holds two copies of the weights: the model is built on the meta device, the
 files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and the mapped
 tensors become the parameters through load_state_dict(assign=True). Pages are read from disk
-when first used, so peak memory is about the size of the files.
+when first used, so peak memory is about the size of the files. Nothing a file says is
+trusted before it is checked (llama_mini/checkpoint_files.py, llama_mini/config_check.py).
 """
 
 import dataclasses
 import json
-import pickle
 import shutil
+import typing
+from functools import partial
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from .checkpoint_files import inside, read_json, read_safetensors, tensor_dict, torch_load
+from .config_check import brief, check_fields, model_args
 from .files import atomic_write
-from .hf import args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
+from .hf import CONFIG_TYPES, args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
 from .model import ModelArgs, Transformer, ffn_hidden_dim
+from .state_dict import build_model, check_layer_count, check_shape
 from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
@@ -36,7 +41,7 @@ HF_INDEX = WEIGHTS + ".index.json"
 # in bf16 is 138 GB).
 HF_MAX_SHARD_BYTES = 5 * 10**9
 META_PARAMS = "params.json"
-FORMATS = ("native", "meta", "hf")
+FORMATS = ("native", "meta", "hf")  # the formats save_checkpoint writes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # for --dtype
 
 # Meta's model-parallel layers: ColumnParallelLinear splits its output features (dim 0),
@@ -49,24 +54,31 @@ _META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo
 
 
 def resolve_run_folder(path) -> Path:
-    """A training run folder -> its newest complete checkpoint; any other folder -> itself."""
+    """A training run folder -> its newest complete checkpoint; any other folder or file -> itself."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"checkpoint not found: {path}")
-    if path.is_file():
-        raise ValueError(f"{path} is a file; pass the checkpoint folder that holds it ({path.parent})")
-    if (path / LATEST).is_file():
-        return path / (path / LATEST).read_text().strip()
+    if path.is_dir() and (path / LATEST).is_file():
+        with open(path / LATEST, "rb") as f:
+            name = f.read(256).decode(errors="replace").strip()
+        step = inside(path, name, path / LATEST)
+        if not step.is_dir():
+            raise FileNotFoundError(
+                f"{path / LATEST} names {name!r}, which is not in {path}; pass one of the run's step folders instead"
+            )
+        return step
     return path
 
 
 def detect_format(path) -> str:
-    """"native", "meta" or "hf" for a checkpoint folder: the one place that decides."""
+    """The format of a checkpoint folder or file (see the module docstring): the one place that decides."""
     path = Path(path)
+    if path.is_file():
+        raise ValueError(f"{path} is a file; pass the checkpoint folder that holds it ({path.parent})")
     if (path / META_PARAMS).is_file():
         return "meta"
     if (path / CONFIG).is_file():
-        return "native" if "llama_mini" in _read_json(path / CONFIG) else "hf"
+        return "native" if "llama_mini" in read_json(path / CONFIG) else "hf"
     raise ValueError(
         f"{path} is not a checkpoint folder of a known format: it holds neither config.json "
         "(llama_mini or Hugging Face) nor params.json (Meta)"
@@ -75,70 +87,44 @@ def detect_format(path) -> str:
 
 def find_tokenizer(path):
     """tokenizer.model in the checkpoint folder, or in its parent (Meta's downloads keep one
-    tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); None if neither has one."""
+    tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); for a llama2.c file, in its
+    folder (tokenizer.model, else llama2.c's tokenizer.bin); None if there is none."""
     path = resolve_run_folder(path)
-    for folder in (path, path.parent):
-        if (folder / TOKENIZER).is_file():
-            return folder / TOKENIZER
-    return None
+    candidates = [path.parent / TOKENIZER, path.parent / "tokenizer.bin"] if path.is_file() else [path / TOKENIZER, path.parent / TOKENIZER]
+    return next((file for file in candidates if file.is_file()), None)
 
 
 def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None) -> Transformer:
-    """Load a checkpoint folder of any supported format. dtype=None keeps the stored dtype.
+    """Load a checkpoint folder of any supported format, or a llama2.c file. dtype=None keeps
+    the stored dtype (one dtype for all: the embedding's, where the file mixes them).
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
     is looked for next to the checkpoint when not given.
     """
     path = resolve_run_folder(path)
-    read = {"native": _read_native, "meta": _read_meta, "hf": _read_hf}[detect_format(path)]
-    args, state = read(path, tokenizer_path)
+    fmt = detect_format(path)
+    readers = {"native": _read_native, "meta": partial(_read_meta, tokenizer_path=tokenizer_path), "hf": _read_hf}
+    args, state = readers[fmt](path)
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
     return build_model(args, state, device=device, dtype=dtype)
 
 
-def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transformer:
-    """A Transformer holding exactly the tensors of state, checked by name and shape."""
-    with torch.device("meta"):
-        model = Transformer(args)
-    expected = model.state_dict()
-    missing = expected.keys() - state.keys()
-    unexpected = state.keys() - expected.keys()
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the config: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    for name, tensor in state.items():
-        if tensor.shape != expected[name].shape:
-            raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected[name].shape)}")
-    model.load_state_dict(state, assign=True)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    model.init_rope()  # the RoPE tables are still on the meta device, where nothing can copy them from
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def _read_native(path: Path, tokenizer_path=None):
-    try:
-        args = ModelArgs(**_read_json(path / CONFIG)["llama_mini"])
-    except TypeError as e:  # a field this version does not know, or one it needs missing
-        raise ValueError(f"{path / CONFIG} does not describe a llama_mini model ({e})") from None
-    state = _read_safetensors(path / WEIGHTS)
-    if args.tie_embeddings:
+def _read_native(path: Path):
+    config = read_json(path / CONFIG)["llama_mini"]
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
+    args = model_args(config, path / CONFIG)
+    state = read_safetensors(path / WEIGHTS)
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
 
 
 def _read_meta(path: Path, tokenizer_path=None):
-    params = _read_json(path / META_PARAMS)
-    unknown = params.keys() - {f.name for f in dataclasses.fields(ModelArgs)}
-    if unknown:
-        raise ValueError(f"{path / META_PARAMS} has fields llama_mini does not know: {sorted(unknown)}")
-    files = sorted(path.glob("consolidated.*.pth"))
-    if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
-        names = ", ".join(f.name for f in files) or "none"
-        raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
-    state = merge_meta_shards([_torch_load(f) for f in files])
-    if params.get("vocab_size", -1) <= 0:  # Llama-2's params.json says -1: the tokenizer decides
+    params = read_json(path / META_PARAMS)
+    if params.get("vocab_size", -1) == -1:  # Llama-2's params.json says -1: the tokenizer decides
         tokenizer_path = tokenizer_path or find_tokenizer(path)
         if tokenizer_path is None:
             raise FileNotFoundError(
@@ -146,32 +132,62 @@ def _read_meta(path: Path, tokenizer_path=None):
                 f"{TOKENIZER} is in {path} or its parent; pass its path (--tokenizer)"
             )
         params["vocab_size"] = Tokenizer(tokenizer_path).n_words
-    return ModelArgs(**params), state
+    args = model_args(params, path / META_PARAMS)
+    files = sorted(path.glob("consolidated.*.pth"))
+    if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
+        names = ", ".join(f.name for f in files) or "none"
+        raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
+    return args, merge_meta_shards([tensor_dict(torch_load(f), f) for f in files])
 
 
-def _read_hf(path: Path, tokenizer_path=None):
-    config = _read_json(path / CONFIG)
+def _read_hf(path: Path):
+    config = read_json(path / CONFIG)
     if config.get("model_type") != "llama":
-        raise ValueError(f"{path / CONFIG} describes a {config.get('model_type')!r} model; only Llama (model_type 'llama') is supported")
+        raise ValueError(f"{path / CONFIG} describes a {brief(config.get('model_type'))} model; only Llama (model_type 'llama') is supported")
+    check_fields(config, CONFIG_TYPES, path / CONFIG)
     try:
         args = args_from_hf_config(config)
     except KeyError as e:
         raise ValueError(f"{path / CONFIG} lacks the field {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    check_fields(dataclasses.asdict(args), typing.get_type_hints(ModelArgs), path / CONFIG)
     state = {}
     for file in _hf_weight_files(path):
-        state.update(_read_safetensors(file) if file.suffix == ".safetensors" else _torch_load(file))
+        state.update(read_safetensors(file) if file.suffix == ".safetensors" else tensor_dict(torch_load(file), file))
+    _check_hf_names_and_shapes(args, state)
     try:
         return args, from_hf_state_dict(state, args)
     except KeyError as e:
         raise ValueError(f"{path} holds tensor {e}, which is not part of a Llama model") from None
 
 
+def _check_hf_names_and_shapes(args: ModelArgs, state: dict) -> None:
+    """Every tensor the config implies is there with its shape, checked in the file's own
+    names: the q/k rows are permuted by head when renamed, which needs the right shapes."""
+    check_layer_count(args, state)
+    with torch.device("meta"):
+        ours = Transformer(args).state_dict()
+    expected = {hf_name: (name, t) for name in ours for hf_name, t in to_hf_state_dict({name: ours[name]}, args).items()}
+    missing = expected.keys() - state.keys()
+    if missing:
+        raise ValueError(f"checkpoint does not fit the config: missing {sorted(missing)[:3]}")
+    for hf_name, tensor in state.items():
+        if hf_name in expected:
+            check_shape(expected[hf_name][0], tensor, expected[hf_name][1])
+
+
 def _hf_weight_files(path: Path) -> list[Path]:
     """The weight files of a Hugging Face folder: safetensors before .bin, an index first."""
     for single, index in ((WEIGHTS, HF_INDEX), ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (path / index).is_file():
-            weight_map = _read_json(path / index).get("weight_map", {})
-            return [path / name for name in sorted(set(weight_map.values()))]
+            weight_map = read_json(path / index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise ValueError(
+                    f"{path / index} has no weight_map naming the weight files (an object of tensor name: "
+                    f"file name); download it again, or remove it if {path / single} holds all the weights"
+                )
+            return sorted({inside(path, name, path / index) for name in weight_map.values()})
         if (path / single).is_file():
             return [path / single]
     raise FileNotFoundError(f"{path} has a config.json but no {WEIGHTS}, sharded safetensors index or pytorch_model.bin")
@@ -182,17 +198,24 @@ def merge_meta_shards(shards: list[dict]) -> dict:
 
     A single shard is returned as it is, so its memory-mapped tensors are never copied.
     """
+    for rank, shard in enumerate(shards[1:], start=1):
+        if shard.keys() != shards[0].keys():
+            extra = sorted(shard.keys() ^ shards[0].keys())[:3]
+            raise ValueError(f"model-parallel shards 00 and {rank:02d} hold different tensors ({extra}); download them again")
     merged = {}
     for key, first in shards[0].items():
         if key == "rope.freqs":
             continue
-        parts = [shard.get(key) for shard in shards]
-        if any(p is None for p in parts):
-            raise ValueError(f"tensor {key} is missing from model-parallel shard {parts.index(None):02d}")
+        parts = [shard[key] for shard in shards]
+        if len(shards) > 1 and any(p.shape != first.shape for p in parts):
+            shapes = ", ".join(str(tuple(p.shape)) for p in parts)
+            raise ValueError(f"tensor {key} has different shapes in the model-parallel shards ({shapes}); download them again")
         if len(shards) == 1 or first.dim() == 1:
             merged[key] = first
-        else:
+        elif first.dim() == 2:
             merged[key] = torch.cat(parts, dim=_meta_shard_dim(key))
+        else:
+            raise ValueError(f"tensor {key} has {first.dim()} dimensions; a Meta Llama checkpoint holds matrices and vectors")
     return merged
 
 
@@ -211,40 +234,6 @@ def _meta_shard_dim(key: str) -> int:
     return _META_SHARD_DIM[name]
 
 
-def _read_json(file: Path) -> dict:
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} not found")
-    try:
-        return json.loads(file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON ({e})") from None
-
-
-def _read_safetensors(file: Path) -> dict:
-    """All tensors of a safetensors file, memory-mapped (read from disk when first used)."""
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} not found")
-    try:
-        with safe_open(file, framework="pt", device="cpu") as f:
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} is truncated or corrupt ({e}); download or convert it again") from None
-
-
-def _torch_load(file: Path) -> dict:
-    """A .pth/.bin state dict, memory-mapped. weights_only=True unpickles tensors and plain
-    containers only, so a file carrying code (a pickle __reduce__ payload) is refused unrun."""
-    if not file.is_file():
-        raise FileNotFoundError(f"{file} not found")
-    try:
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"{file} holds pickled objects other than tensors (possibly code); refusing to load it") from None
-    except Exception as e:  # torch raises RuntimeError, EOFError, ValueError ... for torn or foreign files
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{file} is truncated or corrupt ({reason}); download or convert it again") from None
-
-
 # --- Writing -------------------------------------------------------------------------------
 
 
@@ -258,12 +247,7 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     max_shard_bytes, listed in model.safetensors.index.json, as save_pretrained does).
     tokenizer_path, when given, is copied into the folder as tokenizer.model.
     """
-    if format not in FORMATS:
-        raise ValueError(f"unknown checkpoint format {format!r}; use one of {', '.join(FORMATS)}")
-    if shards != 1 and format != "meta":
-        raise ValueError(f"only the meta format is split into model-parallel shards, not {format!r}")
-    if max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    check_writable(model.args, format, shards, max_shard_bytes)  # before anything is created
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if format == "native":
@@ -273,30 +257,54 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     else:
         _write_hf(model, path, max_shard_bytes)
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
-        atomic_write(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+        _write(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
     return path
+
+
+def check_writable(args: ModelArgs, format: str, shards: int = 1, max_shard_bytes: int = HF_MAX_SHARD_BYTES) -> None:
+    """Refuse, before anything is written, a model the format cannot hold or a split it cannot make."""
+    if format not in FORMATS:
+        raise ValueError(f"unknown checkpoint format {format!r}; use one of {', '.join(FORMATS)}")
+    if shards != 1 and format != "meta":
+        raise ValueError(f"only the meta format is split into model-parallel shards, not {format!r}")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if format == "hf":
+        hf_config_from_args(args)  # refuses what transformers' Llama cannot hold
+    if format == "meta" and args.norm != "rmsnorm":
+        raise ValueError(f"Meta's format has RMSNorm only; this model uses {args.norm!r}")
+    sizes = (("n_kv_heads", args.n_kv_heads), ("dim", args.dim), ("vocab_size", args.vocab_size), ("ffn dim", args.ffn_dim))
+    for what, size in sizes if format == "meta" else ():
+        if size % shards:
+            raise ValueError(f"cannot split into {shards} model-parallel shards: {what} {size} is not divisible by {shards}")
+
+
+def _write(file: Path, write) -> None:
+    """atomic_write, with a failed write reported as the OSError it is: torch's zip writer
+    raises RuntimeError and safetensors SafetensorError where Python raises OSError (a full
+    disk, a file-size limit)."""
+    try:
+        atomic_write(file, write)
+    except (RuntimeError, SafetensorError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OSError(f"cannot write {file} ({reason}); is the disk full?") from None
 
 
 def _write_native(model: Transformer, path: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
-    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    _write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {"llama_mini": dataclasses.asdict(model.args)}
-    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+    _write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
 
 
 def _write_meta(model: Transformer, path: Path, shards: int) -> None:
     args = model.args
-    if args.norm != "rmsnorm":
-        raise ValueError(f"Meta's format has RMSNorm only; this model uses {args.norm!r}")
-    for what, size in (("n_kv_heads", args.n_kv_heads), ("dim", args.dim), ("vocab_size", args.vocab_size), ("ffn dim", args.ffn_dim)):
-        if size % shards:
-            raise ValueError(f"cannot split into {shards} model-parallel shards: {what} {size} is not divisible by {shards}")
-    atomic_write(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(args), indent=2)))
+    _write(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(args), indent=2)))
     # A tied output head is stored twice: Meta's format has no tying.
     for rank, shard in enumerate(split_meta_shards(model.state_dict(), shards)):
-        atomic_write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
+        _write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
 
 
 def meta_params(args: ModelArgs) -> dict:
@@ -328,19 +336,19 @@ def _write_hf(model: Transformer, path: Path, max_shard_bytes: int) -> None:
     names = [WEIGHTS] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     for name, keys in zip(names, files):
         shard = {k: state[k] for k in keys}
-        atomic_write(path / name, lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+        _write(path / name, lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
     if len(files) > 1:
         total = sum(v.numel() * v.element_size() for v in state.values())
         weight_map = {k: name for name, keys in zip(names, files) for k in keys}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        atomic_write(path / HF_INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
+        _write(path / HF_INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
     else:
         (path / HF_INDEX).unlink(missing_ok=True)  # a stale index would be read before the file
     for stale in set(path.glob("model*.safetensors")) - {path / name for name in names}:
         stale.unlink()  # left by an earlier write with another split
     config = hf_config_from_args(model.args)
     config["torch_dtype"] = str(model.output.weight.dtype).removeprefix("torch.")
-    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+    _write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
 
 
 def shard_by_size(state: dict, max_bytes: int) -> list[list[str]]:

@@ -3,31 +3,52 @@
     python -m llama_mini.convert out/run llama-hf --to hf          # a model trained here, for transformers
     python -m llama_mini.convert llama-2-13b llama-2-13b-hf --to hf  # Meta's 2 shards -> one HF folder
     python -m llama_mini.convert llama-2-7b-hf llama-2-7b --to meta --shards 2
+    python -m llama_mini.convert stories15M.bin stories15M-hf --to hf  # llama2.c's export
 
 The tokenizer.model found with SRC (in it or its parent) is copied into DST.
 """
 
 import argparse
+import os
+import shutil
 import sys
 from pathlib import Path
 
-from .checkpoint import DTYPES, FORMATS, HF_MAX_SHARD_BYTES, find_tokenizer, load_checkpoint, save_checkpoint
+from .checkpoint import DTYPES, FORMATS, HF_MAX_SHARD_BYTES, check_writable, find_tokenizer, load_checkpoint, save_checkpoint
+from .cli import run_main
+from .files import fsync_dir
 
 
 def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None, max_seq_len=None,
             max_shard_bytes: int = HF_MAX_SHARD_BYTES) -> Path:
-    """Load src (any format) and write it to the new folder dst in format `to`."""
+    """Load src (any format) and write it to the new folder dst in format `to`.
+
+    dst must not exist or be an empty folder. The checkpoint is written into a hidden sibling
+    folder and renamed to dst only once complete, so a refusal, a full disk or a kill never
+    leaves a partial dst that would block the next try.
+    """
     dst = Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} already exists and is not an empty folder; choose a new destination")
     tokenizer_path = tokenizer_path or find_tokenizer(src)
     model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path)
-    return save_checkpoint(model, dst, format=to, tokenizer_path=tokenizer_path, shards=shards, max_shard_bytes=max_shard_bytes)
+    check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing
+    target = dst.resolve()  # an empty folder, or a link to one, is replaced where it really is
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    tmp.mkdir()  # fails if it exists: everything inside it is then ours to remove
+    try:
+        save_checkpoint(model, tmp, format=to, tokenizer_path=tokenizer_path, shards=shards, max_shard_bytes=max_shard_bytes)
+        os.rename(tmp, target)  # POSIX: replaces an empty folder in one step
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours alone: created above, gone once renamed
+    fsync_dir(target.parent)
+    return dst
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m llama_mini.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="checkpoint folder: llama_mini run or checkpoint, Meta, or Hugging Face")
+    p.add_argument("src", help="checkpoint: llama_mini run or checkpoint, Meta or Hugging Face folder, llama2.c .bin or .pt")
     p.add_argument("dst", help="new folder to write")
     p.add_argument("--to", required=True, choices=FORMATS)
     p.add_argument("--shards", type=int, default=1, help="model-parallel files for --to meta (13B: 2, 70B: 8)")
@@ -48,8 +69,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    sys.exit(run_main(main))

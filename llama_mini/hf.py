@@ -5,6 +5,7 @@ lives here, each fact once, with its inverse beside it.
 """
 
 import re
+from typing import Optional
 
 from .model import ModelArgs
 
@@ -82,6 +83,16 @@ def from_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
+
+
+# The config.json fields args_from_hf_config reads, and their types (Optional: null means the
+# default), for checking before any arithmetic on them.
+CONFIG_TYPES = {
+    "hidden_size": int, "intermediate_size": int, "num_hidden_layers": int, "num_attention_heads": int,
+    "num_key_value_heads": Optional[int], "head_dim": Optional[int], "vocab_size": int, "max_position_embeddings": int,
+    "rms_norm_eps": float, "rope_theta": float, "tie_word_embeddings": Optional[bool],
+    "rope_scaling": Optional[dict], "rope_parameters": Optional[dict],
+}
 
 
 def args_from_hf_config(config: dict) -> ModelArgs:

@@ -1,7 +1,11 @@
 """Loading checkpoints of every format, against transformers as the independent reference."""
 
+import io
 import json
 import os
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -46,6 +50,11 @@ def hf_folder(tmp_path_factory):
     model.save_pretrained(folder, max_shard_size="100KB")
     assert len(list(folder.glob("*.safetensors"))) > 1 and (folder / "model.safetensors.index.json").is_file()
     return model, folder
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
 def max_logit_diff(ours, theirs, tokens):
@@ -93,6 +102,71 @@ def test_pytorch_model_bin_loads(tmp_path):
     assert max_logit_diff(load_checkpoint(tmp_path), hf, TOKENS) <= 1e-4
 
 
+def deflate(file):
+    """Rewrite a torch.save zip with compressed entries, as any zip tool may: still a valid file."""
+    data = file.read_bytes()
+    with zipfile.ZipFile(io.BytesIO(data)) as plain, zipfile.ZipFile(file, "w", zipfile.ZIP_DEFLATED) as packed:
+        for entry in plain.infolist():
+            packed.writestr(entry.filename, plain.read(entry.filename))
+
+
+def test_compressed_pytorch_model_bin_loads_its_true_weights(tmp_path):
+    # Memory-mapping a compressed entry reads the compressed bytes as weights (values ~1e20).
+    hf = hf_model(seed=1)
+    hf.config.save_pretrained(tmp_path)
+    torch.save(hf.state_dict(), tmp_path / "pytorch_model.bin")
+    deflate(tmp_path / "pytorch_model.bin")
+    with zipfile.ZipFile(tmp_path / "pytorch_model.bin") as packed:
+        assert any(entry.compress_type == zipfile.ZIP_DEFLATED for entry in packed.infolist())
+    assert max_logit_diff(load_checkpoint(tmp_path), hf, TOKENS) <= 1e-4
+
+
+def test_symlinks_the_user_made_are_followed(hf_folder, tmp_path):
+    # The folder itself a link, and a shard linked into a folder: the user's own choices.
+    hf, folder = hf_folder
+    (tmp_path / "link").symlink_to(folder, target_is_directory=True)
+    assert max_logit_diff(load_checkpoint(tmp_path / "link"), hf, TOKENS) <= 1e-4
+    (tmp_path / "linked").mkdir()
+    for file in folder.iterdir():
+        (tmp_path / "linked" / file.name).symlink_to(file)
+    assert max_logit_diff(load_checkpoint(tmp_path / "linked"), hf, TOKENS) <= 1e-4
+
+
+def test_mixed_dtypes_load_in_the_embeddings_dtype(tmp_path):
+    # A file with fp32 norms beside bf16 matrices: one dtype for the whole model, or the first
+    # matmul after a norm would fail on mismatched dtypes.
+    model = tiny_model()
+    save_checkpoint(model, tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    save_file({k: v if "norm" in k else v.to(torch.bfloat16) for k, v in state.items()}, tmp_path / "model.safetensors")
+    loaded = load_checkpoint(tmp_path)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
+    assert loaded(TOKENS[:, :8] % 96).isfinite().all()
+
+
+LOAD_UNDER_MEMORY_CAP = """
+import resource, sys
+import llama_mini
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (used + 2**30, hard))  # 1 GiB beyond what imports mapped
+model = llama_mini.load_checkpoint(sys.argv[1])
+print(model.args.max_seq_len)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
+@pytest.mark.xfail(strict=True, reason="RoPE tables are built for max_seq_len until model.py builds them lazily (issue 13)")
+def test_a_huge_context_length_allocates_nothing_for_it(tmp_path):
+    # max_position_embeddings 250M: 8 GB of cos/sin tables if built for the whole context.
+    save_checkpoint(tiny_model(), tmp_path, format="hf")
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 250_000_000}))
+    result = subprocess.run([sys.executable, "-c", LOAD_UNDER_MEMORY_CAP, str(tmp_path)], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert result.returncode == 0 and result.stdout.strip() == "250000000", result.stderr[-2000:]
+
+
 def test_hf_tied_embeddings_load_as_one_tensor(tmp_path):
     hf = hf_model(seed=2, tie_word_embeddings=True)
     hf.save_pretrained(tmp_path)
@@ -134,6 +208,25 @@ def test_meta_shards_are_merged_on_meta_dims(tmp_path):
     write_meta(tmp_path, params, shards)
     loaded = load_checkpoint(tmp_path).state_dict()
     assert loaded.keys() == sd.keys() and all(torch.equal(loaded[k], sd[k]) for k in sd)
+
+
+def test_legacy_format_pth_loads(tmp_path):
+    # torch.save(..., _use_new_zipfile_serialization=False): valid, but cannot be memory-mapped.
+    model = tiny_model(n_layers=1)
+    params = {"dim": 64, "n_layers": 1, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96, "multiple_of": 32}
+    write_meta(tmp_path, params, [])
+    torch.save(model.state_dict(), tmp_path / "consolidated.00.pth", _use_new_zipfile_serialization=False)
+    assert_same_state(load_checkpoint(tmp_path), model)
+
+
+def test_shards_with_different_shapes_are_refused_in_one_line(tmp_path):
+    save_checkpoint(tiny_model(), tmp_path, format="meta", shards=2)
+    shard = torch.load(tmp_path / "consolidated.01.pth", weights_only=True)
+    shard["layers.0.attention.wq.weight"] = shard["layers.0.attention.wq.weight"][:16].clone()
+    torch.save(shard, tmp_path / "consolidated.01.pth")
+    with pytest.raises(ValueError, match=r"tensor layers.0.attention.wq.weight has different shapes in the model-parallel shards \(\(32, 64\), \(16, 64\)\)") as excinfo:
+        load_checkpoint(tmp_path)
+    one_line_error(excinfo)
 
 
 def test_meta_vocab_size_minus_one_comes_from_the_tokenizer(tmp_path):

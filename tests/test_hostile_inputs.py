@@ -28,8 +28,10 @@ TEXT = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' sa
 
 
 def run(script, *args, timeout=120, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, str(ROOT / script), *map(str, args)]
+    """Run a top-level script (generate.py) or a module (llama_mini.convert) of the repository."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    target = [str(ROOT / script)] if script.endswith(".py") else ["-m", script]
+    cmd = [sys.executable, *target, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
 
 
@@ -87,6 +89,37 @@ def nan_weights(folder):
     save_file(state, folder / "model.safetensors")
 
 
+def write_json(file, value):
+    import json
+
+    file.write_text(json.dumps(value))
+
+
+def point_latest_at(folder, name_of):
+    """folder becomes a run whose `latest` names name_of(copy), a complete checkpoint outside it:
+    were the name followed, the checkpoint would load and the run would exit 0."""
+    outside = folder.parent / "elsewhere"
+    shutil.copytree(folder, outside)
+    (folder / "latest").write_text(name_of(outside) + "\n")
+
+
+def index_naming(folder, name_of):
+    """An HF folder whose index names name_of(copy) for every tensor, a valid weights file outside it."""
+    outside = folder.parent / "x.safetensors"
+    shutil.copy(folder / "model.safetensors", outside)
+    names = load_file(folder / "model.safetensors").keys()
+    (folder / "model.safetensors").unlink()
+    write_json(folder / "model.safetensors.index.json", {"weight_map": {k: name_of(outside) for k in names}})
+
+
+def retype_weights(folder, dtype):
+    state = load_file(folder / "model.safetensors")
+    state["norm.weight"] = state["norm.weight"].to(dtype)
+    from safetensors.torch import save_file
+
+    save_file(state, folder / "model.safetensors")
+
+
 class Payload:
     """Unpickling this would run code: it creates the file named in marker."""
 
@@ -107,6 +140,28 @@ BAD_CHECKPOINTS = {
     "missing tokenizer": ("native", lambda d: (d / "tokenizer.model").unlink(), "no tokenizer.model in"),
     "unknown format": ("native", lambda d: (d / "config.json").unlink(), "not a checkpoint folder of a known format"),
     "nan weights": ("native", nan_weights, "NaN"),
+    # Reads stay inside the folder the user named.
+    "latest climbs out": ("native", lambda d: point_latest_at(d, lambda x: "../elsewhere"), "latest names '../elsewhere', which is outside"),
+    "latest is absolute": ("native", lambda d: point_latest_at(d, str), "elsewhere', which is outside"),
+    "latest names a missing step": ("native", lambda d: (d / "latest").write_text("step-000009\n"), "latest names 'step-000009', which is not in"),
+    "index climbs out": ("hf", lambda d: index_naming(d, lambda x: "../x.safetensors"), "names '../x.safetensors', which is outside"),
+    "index is absolute": ("hf", lambda d: index_naming(d, str), "x.safetensors', which is outside"),
+    "index weight_map is a list": ("hf", lambda d: write_json(d / "model.safetensors.index.json", {"weight_map": ["model.safetensors"]}), "has no weight_map naming the weight files"),
+    "index weight_map is empty": ("hf", lambda d: write_json(d / "model.safetensors.index.json", {"weight_map": {}}), "has no weight_map naming the weight files"),
+    # One config field must not cost memory or time before it is checked.
+    "params.json claims 10M layers": ("meta", lambda d: edit_json(d / "params.json", n_layers=10_000_000), "the config says 10000000 layers; the weights hold 1"),
+    "config.json claims 10M layers": ("hf", lambda d: edit_json(d / "config.json", num_hidden_layers=10_000_000), "the config says 10000000 layers; the weights hold 1"),
+    # Values of the wrong type or range: one line, not a traceback.
+    "I32 tensor": ("native", lambda d: retype_weights(d, torch.int32), "stores tensor norm.weight as I32"),
+    "params.json dim -32": ("meta", lambda d: edit_json(d / "params.json", dim=-32), "params.json: field 'dim' is -32; it must be a whole number"),
+    "params.json dim string": ("meta", lambda d: edit_json(d / "params.json", dim="32"), "params.json: field 'dim' is '32'; it must be a whole number"),
+    "config.json is a list": ("hf", lambda d: write_json(d / "config.json", [1, 2]), "config.json holds a JSON list, not an object"),
+    "native n_heads 0": ("native", lambda d: write_json(d / "config.json", {"llama_mini": {"dim": 32, "n_heads": 0}}), "field 'n_heads' is 0"),
+    "HF n_heads 0": ("hf", lambda d: edit_json(d / "config.json", num_attention_heads=0), "config.json: field 'num_attention_heads' is 0"),
+    "HF field null": ("hf", lambda d: edit_json(d / "config.json", hidden_size=None), "config.json: field 'hidden_size' is null"),
+    "HF field string": ("hf", lambda d: edit_json(d / "config.json", rms_norm_eps="1e-5"), "field 'rms_norm_eps' is '1e-5'; it must be a finite number"),
+    "pth holds lists": ("meta", lambda d: torch.save([[1.0, 2.0]], d / "consolidated.00.pth"), "consolidated.00.pth holds a list, not a state dict"),
+    "pth holds int tensors": ("meta", lambda d: torch.save({"norm.weight": torch.ones(32, dtype=torch.int64)}, d / "consolidated.00.pth"), "stores tensor norm.weight as torch.int64"),
 }
 
 
@@ -154,6 +209,42 @@ def test_bad_sampling_argument_is_refused_before_loading(tmp_path, flag, value, 
 def test_prompt_longer_than_the_context_is_refused(files):
     result = run("generate.py", "--ckpt", files / "native", "--prompt", "Tom had a red ball. " * 40)
     assert_refused(result, "but the context is 64 tokens")
+
+
+# --- python -m llama_mini.convert ----------------------------------------------------------
+
+
+def full_disk():  # files may not grow past 4 KiB: the first weights file cannot be written
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+BAD_CONVERSIONS = {
+    # name: (extra arguments, preexec_fn, expected fragment of the error)
+    "shards that do not divide the heads": (["--to", "meta", "--shards", 3], None, "n_kv_heads 2 is not divisible by 3"),
+    "full disk during --to meta": (["--to", "meta"], full_disk, "cannot write"),
+    "full disk during --to hf": (["--to", "hf"], full_disk, "cannot write"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONVERSIONS)
+def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
+    """A refusal or a failed write leaves nothing behind that would block the next try."""
+    extra, preexec, fragment = BAD_CONVERSIONS[case]
+    result = run("llama_mini.convert", files / "meta", tmp_path / "out", *extra, preexec_fn=preexec)
+    assert_refused(result, fragment)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither out nor a hidden .out.tmp-PID
+    retry = run("llama_mini.convert", files / "meta", tmp_path / "out", "--to", "meta")
+    assert retry.returncode == 0, retry.stderr
+
+
+def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    result = run("llama_mini.convert", files / "native", tmp_path / "out", "--to", "hf")
+    assert_refused(result, "already exists and is not an empty folder")
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 # --- train.py ------------------------------------------------------------------------------
