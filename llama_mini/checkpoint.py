@@ -31,7 +31,7 @@ from .config_check import brief, check_fields, model_args
 from .files import atomic_write
 from .hf import CONFIG_TYPES, args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
 from .model import ModelArgs, Transformer, ffn_hidden_dim
-from .state_dict import build_model, check_layer_count, check_shape
+from .state_dict import build_model, check_layer_count, check_shape, tie_equal_heads
 from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
@@ -106,6 +106,8 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
     fmt = detect_format(path)
     readers = {"native": _read_native, "meta": partial(_read_meta, tokenizer_path=tokenizer_path), "hf": _read_hf}
     args, state = readers[fmt](path)
+    if fmt == "meta" and tie_equal_heads(state):
+        args.tie_embeddings = True
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
     return build_model(args, state, device=device, dtype=dtype)

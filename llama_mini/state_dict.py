@@ -14,6 +14,25 @@ from .model import ModelArgs, Transformer
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")  # ours and Hugging Face's names
 
 
+def tie_equal_heads(state: dict) -> bool:
+    """Make output.weight the embedding tensor itself when the two hold the same values.
+
+    Meta's format has no tying flag: its reference Transformer always builds a separate
+    output layer, so Llama-3.2 1B/3B, trained with tied weights (their Hugging Face configs say
+    tie_word_embeddings: true), store the head twice in consolidated.00.pth. Equal values are
+    the only sign, and the test llama2.c's export.py uses to decide whether its classifier is
+    shared (`shared_classifier = torch.equal(...)`). The first rows are compared first, so an
+    untied model costs one row, not a pass over both.
+    """
+    embedding, head = state.get("tok_embeddings.weight"), state.get("output.weight")
+    if embedding is None or head is None or embedding.shape != head.shape or embedding.dtype != head.dtype:
+        return False
+    if not (torch.equal(embedding[:1], head[:1]) and torch.equal(embedding, head)):
+        return False
+    state["output.weight"] = embedding
+    return True
+
+
 def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transformer:
     """A Transformer holding exactly the tensors of state, checked by name and shape."""
     check_layer_count(args, state)  # before building: a config may claim millions of layers

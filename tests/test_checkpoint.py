@@ -229,6 +229,37 @@ def test_shards_with_different_shapes_are_refused_in_one_line(tmp_path):
     one_line_error(excinfo)
 
 
+# Llama-3.2 1B's params.json at small scale: Meta's format has no tying flag.
+LLAMA32_PARAMS = {"dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 96, "multiple_of": 32,
+                  "norm_eps": 1e-5, "rope_theta": 500000.0}
+
+
+def test_meta_head_equal_to_the_embedding_loads_as_one_shared_tensor(tmp_path):
+    # Meta's Llama-3.2 consolidated.00.pth stores output.weight as a copy of tok_embeddings.weight.
+    model = tiny_model(tie_embeddings=True, rope_theta=500000.0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}  # two storages, equal values
+    write_meta(tmp_path / "meta", LLAMA32_PARAMS, [state])
+    loaded = load_checkpoint(tmp_path / "meta")
+    assert loaded.args.tie_embeddings and loaded.output.weight is loaded.tok_embeddings.weight
+    assert len(list(loaded.parameters())) == len(state) - 1  # the head is not a parameter of its own
+    with torch.no_grad():
+        assert torch.equal(loaded(TOKENS % 96), model(TOKENS % 96))
+    save_checkpoint(loaded, tmp_path / "hf", format="hf")  # and it is written as tied where a format can say so
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(tmp_path / "hf" / "model.safetensors")
+
+
+def test_meta_head_that_differs_from_the_embedding_stays_its_own_tensor(tmp_path):
+    model = tiny_model(rope_theta=500000.0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["output.weight"] = state["tok_embeddings.weight"].clone()
+    state["output.weight"][-1, -1] += 1.0  # equal but for one number, in the last row
+    write_meta(tmp_path, LLAMA32_PARAMS, [state])
+    loaded = load_checkpoint(tmp_path)
+    assert not loaded.args.tie_embeddings and loaded.output.weight is not loaded.tok_embeddings.weight
+    assert torch.equal(loaded.output.weight, state["output.weight"])
+
+
 def test_meta_vocab_size_minus_one_comes_from_the_tokenizer(tmp_path):
     if not FIXTURE_TOKENIZER.is_file():
         pytest.skip("Meta's Llama-2 tokenizer fixture is absent")
