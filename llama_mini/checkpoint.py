@@ -1,12 +1,14 @@
 """Checkpoints: formats in, formats out.
 
-Three formats, told apart by detect_format:
+Five formats, told apart by detect_format:
 - native: our own folder, config.json ({"llama_mini": ModelArgs}) + model.safetensors and,
   when known, the tokenizer.model it was trained with. A training run folder holds one such
   folder per saved step and a `latest` file naming the newest complete one.
 - meta: Meta's download, params.json + consolidated.NN.pth, one file per model-parallel rank.
 - hf: a Hugging Face LlamaForCausalLM folder, config.json + model*.safetensors (one file, or
   shards listed in model.safetensors.index.json) or pytorch_model*.bin.
+- llama2c-bin, llama2c-pt: llama2.c's exported .bin and its training ckpt.pt, single files
+  (llama_mini/llama2c.py).
 
 Loading never holds two copies of the weights: the model is built on the meta device, the
 files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and the mapped
@@ -26,7 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
-from .checkpoint_files import inside, read_json, read_safetensors, tensor_dict, torch_load
+from . import llama2c
+from .checkpoint_files import inside, is_torch_file, read_json, read_safetensors, tensor_dict, torch_load
 from .config_check import brief, check_fields, model_args
 from .files import atomic_write
 from .hf import CONFIG_TYPES, args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
@@ -74,7 +77,14 @@ def detect_format(path) -> str:
     """The format of a checkpoint folder or file (see the module docstring): the one place that decides."""
     path = Path(path)
     if path.is_file():
-        raise ValueError(f"{path} is a file; pass the checkpoint folder that holds it ({path.parent})")
+        if is_torch_file(path):
+            return "llama2c-pt"
+        if llama2c.is_bin(path):
+            return "llama2c-bin"
+        raise ValueError(
+            f"{path} is a file in no format llama_mini reads; pass the checkpoint folder that holds it "
+            f"({path.parent}), or a llama2.c .bin or .pt file"
+        )
     if (path / META_PARAMS).is_file():
         return "meta"
     if (path / CONFIG).is_file():
@@ -104,9 +114,10 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
     """
     path = resolve_run_folder(path)
     fmt = detect_format(path)
-    readers = {"native": _read_native, "meta": partial(_read_meta, tokenizer_path=tokenizer_path), "hf": _read_hf}
+    readers = {"native": _read_native, "meta": partial(_read_meta, tokenizer_path=tokenizer_path), "hf": _read_hf,
+               "llama2c-bin": llama2c.read_bin, "llama2c-pt": llama2c.read_pt}
     args, state = readers[fmt](path)
-    if fmt == "meta" and tie_equal_heads(state):
+    if fmt in ("meta", "llama2c-pt") and tie_equal_heads(state):  # formats that store a tied head twice
         args.tie_embeddings = True
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len

@@ -19,7 +19,8 @@ def tie_equal_heads(state: dict) -> bool:
 
     Meta's format has no tying flag: its reference Transformer always builds a separate
     output layer, so Llama-3.2 1B/3B, trained with tied weights (their Hugging Face configs say
-    tie_word_embeddings: true), store the head twice in consolidated.00.pth. Equal values are
+    tie_word_embeddings: true), store the head twice in consolidated.00.pth; llama2.c's ckpt.pt
+    holds both names of its always-tied head. Equal values are
     the only sign, and the test llama2.c's export.py uses to decide whether its classifier is
     shared (`shared_classifier = torch.equal(...)`). The first rows are compared first, so an
     untied model costs one row, not a pass over both.

@@ -111,6 +111,54 @@ def test_convert_cli_writes_hf_with_the_tokenizer(tmp_path):
     assert_same_weights(load_checkpoint(tmp_path / "hf"), load_checkpoint(tmp_path / "run"))
 
 
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """One model (GQA, tied head, non-default theta) as a checkpoint of every format convert reads."""
+    root = tmp_path_factory.mktemp("sources")
+    model = tiny_model(tie_embeddings=True, rope_theta=5e5)
+    for fmt in ("native", "meta", "hf"):
+        save_checkpoint(model, root / fmt, format=fmt)
+    from test_llama2c import export  # llama2.c's export.py layout
+
+    export(model, root / "stories.bin", 0)
+    return model, root
+
+
+@pytest.mark.parametrize("src", ["native", "meta", "hf", "stories.bin"])
+def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp_path, src):
+    model, root = sources
+    targets = ["hf"] if src == "stories.bin" else [to for to in ("native", "meta", "hf") if to != src]
+    for to in targets:
+        result = convert_cli(root / src, tmp_path / to, "--to", to)
+        assert result.returncode == 0 and result.stderr.strip() == f"wrote {to} checkpoint to {tmp_path / to}", result.stderr
+        assert detect_format(tmp_path / to) == to
+        converted = load_checkpoint(tmp_path / to)
+        assert_same_weights(converted, model)
+        assert converted.output.weight is converted.tok_embeddings.weight
+        assert converted.args.rope_theta == 5e5 or src == "stories.bin"  # llama2.c's files have theta 10000 built in
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(targets)  # no temporary folder left
+
+
+def test_convert_cli_into_a_users_folder_is_refused_and_touches_nothing(sources, tmp_path):
+    _, root = sources
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("my own file")
+    result = convert_cli(root / "native", tmp_path / "mine", "--to", "meta")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"error: {tmp_path / 'mine'} already exists and is not an empty folder; choose a new destination"
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["config.json"]
+    assert (tmp_path / "mine" / "config.json").read_text() == "my own file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
+
+
+def test_convert_cli_fills_an_empty_folder(sources, tmp_path):
+    _, root = sources
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty", target_is_directory=True)  # the user's link to it
+    assert convert_cli(root / "meta", tmp_path / "link", "--to", "hf").returncode == 0
+    assert (tmp_path / "link").is_symlink() and detect_format(tmp_path / "empty") == "hf"
+
+
 def test_convert_cli_refuses_to_overwrite_without_traceback(tmp_path):
     save_checkpoint(tiny_model(), tmp_path / "a")
     save_checkpoint(tiny_model(), tmp_path / "b")

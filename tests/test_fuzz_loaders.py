@@ -2,7 +2,8 @@
 
 hypothesis rewrites one part of a valid tiny checkpoint at a time: a safetensors header (its
 length field, a tensor's dtype, shape or offsets), the fields of params.json, of a Hugging Face
-config.json or of our own config.json, and the weight_map of a shard index. Each example must
+config.json or of our own config.json, the weight_map of a shard index, and the header of a
+llama2.c .bin (its sizes, version, flags, or the file's length). Each example must
 end in one of two ways only:
 - a loaded model, or
 - a ValueError or OSError whose message is one line naming the file or folder (or, for a
@@ -27,7 +28,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = ("safetensors_header", "params_json", "hf_config", "native_config", "shard_index")
+KINDS = ("safetensors_header", "params_json", "hf_config", "native_config", "shard_index", "llama2c_header")
 MEMORY_CAP_BYTES = 2**30  # beyond what the imports mapped; the tiny checkpoint needs a few MB
 EXAMPLES_PER_KIND = 200
 
@@ -63,22 +64,23 @@ def run_child(kind: str) -> None:
             folder = Path(tmp) / folder_name
             shutil.copytree(base / folder_name, folder)
             apply(folder)
-            outcomes[check_outcome(folder)] += 1
+            target = folder / "model.bin" if (folder / "model.bin").exists() else folder  # llama2.c: a file
+            outcomes[check_outcome(target)] += 1
 
     fuzz()
     print(json.dumps(outcomes))
 
 
-def check_outcome(folder: Path) -> str:
+def check_outcome(path: Path) -> str:
     """"loaded" or "refused", asserting that nothing else happened."""
     from llama_mini import Transformer, load_checkpoint
 
     try:
-        model = load_checkpoint(folder)
+        model = load_checkpoint(path)
     except (ValueError, OSError) as e:
         message = str(e)
         assert "\n" not in message, message
-        assert str(folder) in message or message.startswith(("tensor ", "checkpoint does not fit")), message
+        assert str(path) in message or message.startswith(("tensor ", "checkpoint does not fit")), message
         return "refused"
     assert isinstance(model, Transformer)
     assert len({p.dtype for p in model.parameters()}) == 1
@@ -96,6 +98,11 @@ def write_base_checkpoints(root: Path) -> Path:
     for fmt in ("native", "meta", "hf"):
         save_checkpoint(model, root / fmt, format=fmt)
     save_checkpoint(model, root / "hf-sharded", format="hf", max_shard_bytes=4000)
+    from test_llama2c import export  # llama2.c's export.py layout
+
+    for version in (0, 1, 2):
+        (root / f"llama2c-v{version}").mkdir()
+        export(model, root / f"llama2c-v{version}" / "model.bin", version, group_size=16)
     return root
 
 
@@ -217,8 +224,36 @@ def safetensors_header():
     return st.tuples(st.sampled_from(["native", "hf"]), changes)
 
 
+def llama2c_header():
+    """One field of a llama2.c .bin header changed (v0: the 7 sizes; v1/v2 also the version, the
+    shared flag and the group size), or bytes cut from or added to the end of the file."""
+    from hypothesis import strategies as st
+
+    def set_int(d, offset, value):
+        data = bytearray((d / "model.bin").read_bytes())
+        data[offset : offset + 4] = struct.pack("<i", value)
+        (d / "model.bin").write_bytes(bytes(data))
+
+    def set_byte(d, offset, value):
+        data = bytearray((d / "model.bin").read_bytes())
+        data[offset] = value
+        (d / "model.bin").write_bytes(bytes(data))
+
+    def resize(d, delta):
+        data = (d / "model.bin").read_bytes()
+        (d / "model.bin").write_bytes(data[:delta] if delta < 0 else data + bytes(delta))
+
+    int32 = st.one_of(st.integers(-(2**31), 2**31 - 1), st.sampled_from([0, 1, 2, 4, 8, 16, 32, -32, 10_000_000, 2**31 - 1]))
+    v0 = st.tuples(st.integers(0, 6), int32).map(lambda c: lambda d: set_int(d, 4 * c[0], c[1]))
+    versioned = st.one_of(st.tuples(st.sampled_from([4, *range(8, 36, 4), 37]), int32).map(lambda c: lambda d: set_int(d, *c)),
+                          st.integers(0, 255).map(lambda b: lambda d: set_byte(d, 36, b)))
+    sizes = st.sampled_from([-1, -4, -100, 1, 4, 1000]).map(lambda n: lambda d: resize(d, n))
+    return st.one_of(st.tuples(st.just("llama2c-v0"), st.one_of(v0, sizes)),
+                     st.tuples(st.sampled_from(["llama2c-v1", "llama2c-v2"]), st.one_of(versioned, sizes)))
+
+
 STRATEGIES = {"safetensors_header": safetensors_header, "params_json": params_json, "hf_config": hf_config,
-              "native_config": native_config, "shard_index": shard_index}
+              "native_config": native_config, "shard_index": shard_index, "llama2c_header": llama2c_header}
 
 if __name__ == "__main__":
     run_child(sys.argv[1])

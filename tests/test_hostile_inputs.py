@@ -172,6 +172,27 @@ def test_bad_checkpoint_is_refused_in_one_line(files, tmp_path, case):
     assert_refused(run("generate.py", "--ckpt", folder, "--prompt", "Tom", "--max-new-tokens", 4), fragment)
 
 
+BAD_LLAMA2C_FILES = {
+    # name: (damage to a llama2.c v0 export of the tiny model, expected fragment of the error)
+    "truncated bin": (truncate, "but its llama2.c v0 header implies"),
+    "bin claiming 10M layers": (lambda f: f.write_bytes(f.read_bytes()[:8] + (10_000_000).to_bytes(4, "little") + f.read_bytes()[12:]),
+                                "but its llama2.c v0 header implies"),
+    "state dict saved as .pt": (lambda f: torch.save({"norm.weight": torch.ones(32)}, f), "is a PyTorch file but not llama2.c's training checkpoint"),
+    "text file": (lambda f: f.write_text("hello"), "is a file in no format llama_mini reads"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_LLAMA2C_FILES)
+def test_bad_llama2c_file_is_refused_in_one_line(files, tmp_path, case):
+    from test_llama2c import export  # llama2.c's export.py layout
+
+    damage, fragment = BAD_LLAMA2C_FILES[case]
+    export(llama_mini.load_checkpoint(files / "native"), tmp_path / "model.bin", 0)
+    shutil.copy(files / "native" / "tokenizer.model", tmp_path)
+    damage(tmp_path / "model.bin")
+    assert_refused(run("generate.py", "--ckpt", tmp_path / "model.bin", "--prompt", "Tom", "--max-new-tokens", 4), fragment)
+
+
 def test_missing_checkpoint_is_refused(tmp_path):
     assert_refused(run("generate.py", "--ckpt", tmp_path / "nope", "--prompt", "Tom"), f"checkpoint not found: {tmp_path / 'nope'}")
 
