@@ -7,6 +7,7 @@ random choices changes them, and with them every cached tokenizer and token file
 
 import hashlib
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -50,3 +51,34 @@ def test_command_writes_the_known_corpus_file_from_any_folder(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     subprocess.run([sys.executable, "-m", "llama_mini.corpus", str(out)], cwd=tmp_path, env=env, check=True, timeout=300)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == CORPUS_FILE_SHA256
+
+
+def test_command_without_a_file_says_how_to_call_it(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "llama_mini.corpus"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: pass one argument, the file to write") and proc.stderr.count("\n") == 1
+
+
+def test_every_template_in_stories_json_is_used_by_the_default_corpus(monkeypatch):
+    templates = [
+        line
+        for steps in [corpus.STORY_DATA["beginning"], corpus.STORY_DATA["ending"], *corpus.PLOTS]
+        for step in steps
+        if isinstance(step, dict)
+        for line in step.get("say", step.get("lines", []))
+    ]
+    used = set()
+    fill = corpus.Story.fill
+    monkeypatch.setattr(corpus.Story, "fill", lambda self, template: used.add(template) or fill(self, template))
+    corpus.stories()
+    assert len(templates) > 300  # the walk above found them all
+    assert [t for t in templates if t not in used] == []
+
+
+def test_an_unknown_step_is_named():
+    st = corpus.Story(random.Random(0))
+    with pytest.raises(ValueError, match=r"stories\.json: unknown step 'dance'"):
+        st.play(["dance"])
