@@ -97,7 +97,7 @@ def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Op
     for run in runs:
         run.evaluate()
     order = list(runs)  # each run has its own RNGs: the order changes no number
-    with tqdm(total=cfg.max_steps * len(runs), unit="step", dynamic_ncols=True) as bar:
+    with tqdm(total=cfg.max_steps * len(runs), unit="step", dynamic_ncols=True, disable=None) as bar:  # terminals only
         for step in range(1, cfg.max_steps + 1):
             rng.shuffle(order)
             for run in order:

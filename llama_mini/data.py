@@ -139,7 +139,8 @@ def tokenize(corpus: Corpus, tokenizer: Tokenizer, cache_dir) -> Path:
 
     def write(tmp):
         with open(tmp, "wb") as f:
-            for doc in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1):
+            docs = tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1, disable=None)
+            for doc in docs:  # a bar on a terminal only (disable=None), if this takes more than a second
                 ids = [tokenizer.bos_id]
                 for piece_ids in tokenizer.sp.encode(list(pieces(doc)), num_threads=os.cpu_count() or 1):
                     ids += piece_ids

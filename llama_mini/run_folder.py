@@ -17,6 +17,7 @@ complete checkpoint.
 """
 
 import dataclasses
+import filecmp
 import json
 import math
 import os
@@ -26,12 +27,13 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors import SafetensorError
 
 from .checkpoint import LATEST, TOKENIZER, build_model, save_checkpoint
 from .files import atomic_write, fsync_dir
 from .model import ModelArgs
 from .plots import Curve, plot_curves
-from .run_lock import LOCK_NAME, RunLock
+from .run_lock import LOCK_NAME, RunFolderBusy, RunLock
 
 RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
 CHECKPOINT_NAME = re.compile(r"step-(\d+)")
@@ -156,12 +158,15 @@ class RunFolder:
             self.write_record()
             # The run's own copy of its tokenizer, which every checkpoint copies: the file it was
             # loaded from may be a checkpoint that gets pruned, or a cache someone clears.
-            if Path(tokenizer_path).resolve() != (self.path / TOKENIZER).resolve():
-                atomic_write(self.path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
-        except BaseException:
+            ours = self.path / TOKENIZER
+            if not (ours.is_file() and filecmp.cmp(tokenizer_path, ours, shallow=False)):
+                atomic_write(ours, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+        except BaseException as e:
             self.close()
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
+            if isinstance(e, OSError) and not isinstance(e, RunFolderBusy):
+                raise OSError(f"cannot write to the run folder {self.path}: {e.strerror or e}") from None
             raise
 
     def save(self, step: int, args: ModelArgs, state: dict, meta: dict, keep: int) -> Path:
@@ -179,10 +184,14 @@ class RunFolder:
         train_state = {**{k: v for k, v in state.items() if k != "model"}, **meta}
         try:
             save_checkpoint(build_model(args, state["model"]), tmp, tokenizer_path=self.path / TOKENIZER)
-            atomic_write(tmp / TRAIN_STATE, lambda path: torch_save(train_state, path, tmp / TRAIN_STATE))
-        except BaseException:  # a full disk, say: leave no half-written folder behind
+            atomic_write(tmp / TRAIN_STATE, lambda path: torch_save(train_state, path))
+        except BaseException as e:  # a full disk, say: leave no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
-            raise
+            if not isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write as its own error
+                raise
+            kept = f"{LATEST} still names {self.latest.name}" if self.latest else "no checkpoint was saved"
+            reason = getattr(e, "strerror", None) or e
+            raise OSError(f"cannot save {folder}: {reason}; {kept}. Free some space and --resume") from None
         shutil.rmtree(folder, ignore_errors=True)  # ours, left by a run killed before `latest` named it
         os.replace(tmp, folder)
         fsync_dir(self.path)
@@ -224,8 +233,8 @@ class _RecordingWriter:
         self.file.flush()
 
 
-def torch_save(obj, path, name: Path) -> None:
-    """torch.save(obj, path); a failed write raises OSError naming the file (name) and the cause."""
+def torch_save(obj, path) -> None:
+    """torch.save(obj, path); a failed write raises the OSError that failed it."""
     with open(path, "wb") as f:
         writer = _RecordingWriter(f)
         try:
@@ -233,7 +242,7 @@ def torch_save(obj, path, name: Path) -> None:
         except RuntimeError:
             if writer.error is None:
                 raise
-            raise OSError(f"cannot write {name}: {writer.error.strerror or writer.error}; free some space and --resume") from None
+            raise writer.error from None
 
 
 # --- The metrics log -----------------------------------------------------------------------------

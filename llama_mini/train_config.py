@@ -97,7 +97,7 @@ class TrainConfig:
             raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
         if not 0 <= self.seed < 2**63:
             raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
-        if self.run_name is not None and (Path(self.run_name).name != self.run_name or self.run_name == ".."):
+        if self.run_name is not None and (Path(self.run_name).name != self.run_name or self.run_name in ("", "..")):
             raise ValueError(f"--run-name {self.run_name!r} must be a plain folder name under checkpoints/; "
                              "to write elsewhere, pass --out DIR")
         if self.dtype not in DTYPES:

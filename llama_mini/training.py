@@ -296,7 +296,8 @@ def run(trainer: Trainer) -> None:
     log = MetricsLog(folder.path / METRICS, trainer.step) if main else None
     if main:
         print(describe(trainer))
-    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=not main, unit="step", dynamic_ncols=True)
+    # A bar on a terminal only (disable=None): in a log file its redraws are noise.
+    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
     try:
         with GracefulStop() as stop:
             fit(trainer, log, bar, stop)
