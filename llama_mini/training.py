@@ -156,8 +156,8 @@ class Trainer:
         with self.group.local_rank_zero_first():
             tokenizer = Tokenizer(path) if path else load_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
             if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
-                raise ValueError(f"{tokenizer.model_path} has no BOS or EOS token, which mark where each text starts "
-                                 "and ends in training; pass a tokenizer that has both, or leave --tokenizer out")
+                raise ValueError(f"{tokenizer.model_path} is a tokenizer without BOS/EOS tokens, which mark where each "
+                                 "text starts and ends in training; pass one that has both, or leave --tokenizer out")
             tokens = TokenSplits(tokenize(corpus, tokenizer, cfg.cache_dir), cfg.val_fraction)
         tokens.check_seq_len(cfg.seq_len, corpus.name)
         prompt_len = len(tokenizer.encode(cfg.prompt))

@@ -86,7 +86,7 @@ def no_bos_tokenizer(tmp_path_factory) -> Path:
         (["--seed", -1], "--seed must be between 0 and 2**63 - 1, got -1"),
         (["--device", "meta"], "unknown device 'meta'; use cpu, cuda, cuda:N or mps"),
         (["--device", "xla"], "unknown device 'xla'; use cpu, cuda, cuda:N or mps"),
-        (["--tokenizer", "NO_BOS"], "has no BOS or EOS token"),
+        (["--tokenizer", "NO_BOS"], "without BOS/EOS tokens"),
         (["--prompt", "Once upon a time " * 20, "--sample-tokens", 5], "--prompt is"),  # found once the tokenizer is built
         (["--init-from", "MISSING"], "checkpoint not found"),
     ],
