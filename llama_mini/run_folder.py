@@ -36,7 +36,7 @@ from .plots import Curve, plot_curves
 from .run_lock import LOCK_NAME, RunFolderBusy, RunLock
 
 RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
-CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
 
 # Settings a resumed run must share with its checkpoint: they fix the model and the data it
 # sees (and under --fsdp, the optimizer state is keyed by parameter name, not position).
@@ -72,7 +72,7 @@ class RunFolder:
             raise ValueError(f"the run folder {self.path} is a file; pass --out a folder")
         if resume:
             self.latest = self.find_latest()
-            self.checkpoints = self.read_record() if (self.path / RUN_RECORD).exists() else [self.latest.name]
+            self.checkpoints = self.read_record() if (self.path / RUN_RECORD).exists() else self.found_checkpoints()
         else:
             self.check_new()
 
@@ -99,16 +99,24 @@ class RunFolder:
             raise ValueError(
                 f"nothing to resume: {self.path} holds no checkpoint ({LATEST} is missing); run without --resume to start"
             )
-        name = pointer.read_text(errors="replace").strip()
+        with open(pointer, "rb") as f:
+            name = f.read(256).decode(errors="replace").strip()  # a checkpoint's name is short
         if not CHECKPOINT_NAME.fullmatch(name):
             raise ValueError(f"cannot --resume: {pointer} names {name[:80]!r}, not a step-N checkpoint of this run")
         if not (self.path / name).is_dir():
             raise ValueError(f"cannot --resume: {pointer} names {name}, which is missing from {self.path}")
         return self.path / name
 
+    def found_checkpoints(self) -> list[str]:
+        """The checkpoints of a run folder written before run.json existed: the step-N folders
+        holding a training state, which only a run writes."""
+        return sorted(p.name for p in self.path.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and (p / TRAIN_STATE).is_file())
+
     def read_record(self) -> list[str]:
         file = self.path / RUN_RECORD
         try:
+            if file.stat().st_size > 1 << 20:  # a record lists a few names; this is not ours
+                raise ValueError("too large")
             names = json.loads(file.read_text())["checkpoints"]
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{file} is corrupt ({type(e).__name__}); it lists the run's checkpoints") from None

@@ -291,3 +291,22 @@ def test_full_disk_while_writing_the_training_state_is_one_line_and_keeps_the_la
     assert (out / "latest").read_text() == "step-000002\n" and tree(out / "step-000002") == before
     assert not list(out.glob(".tmp*")) and not (out / "step-000004").exists()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(5))  # steps 3-4 ran, then the save failed
+
+
+def test_a_run_folder_from_before_run_json_resumes_and_prunes_its_own_checkpoints(tmp_path, data, finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "run.json").unlink()
+    (out / "step-000001").mkdir()  # a user's: no training state in it
+    assert train(*data, *TINY, "--out", out, "--max-steps", 6, "--save-every", 2, "--keep-checkpoints", 1, "--resume") == 0
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001", "step-000006"]
+
+
+@pytest.mark.parametrize("record", ['{"checkpoints": ["../../elsewhere"]}', '{"checkpoints": "step-000002"}', "[1, 2"])
+def test_a_run_record_naming_anything_but_checkpoints_is_refused(capsys, tmp_path, data, finished_run, record):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    (out / "run.json").write_text(record)
+    err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--resume")
+    assert f"error: {out / 'run.json'}" in err and ("is corrupt" in err or "not step-N checkpoints of this run" in err)
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000002", "step-000004"]
