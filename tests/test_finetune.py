@@ -23,6 +23,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 # What the source run and the fine-tuning runs share: the same evaluation windows.
 EVAL = ["--seq-len", 32, "--batch-size", 4, "--eval-iters", 2, "--sample-tokens", 0, "--device", "cpu"]
 SOURCE_SHAPE = ["--dim", 32, "--n-layers", 2, "--n-heads", 2, "--n-kv-heads", 1, "--vocab-size", 400]
@@ -33,15 +35,6 @@ def cli(*args) -> subprocess.CompletedProcess:
     result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stderr
     return result
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One thread here as in the subprocesses (OMP_NUM_THREADS=1): the same sums in the same order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -23,16 +23,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 TINY = ["--dim", 32, "--n-layers", 1, "--n-heads", 2, "--seq-len", 32, "--batch-size", 4, "--vocab-size", 400,
         "--eval-iters", 1, "--eval-every", 10, "--sample-tokens", 0, "--device", "cpu"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
