@@ -113,14 +113,15 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    model.init_rope()  # the RoPE tables are still on the meta device, where nothing can copy them from
     return model.to(device=device, dtype=dtype).eval()
 
 
 def _read_native(path: Path, tokenizer_path=None):
     try:
-        args = ModelArgs(**_read_json(path / CONFIG)["llama_mini"])
-    except TypeError as e:  # a field this version does not know, or one it needs missing
+        fields = _read_json(path / CONFIG)["llama_mini"]
+        # norm_impl: how RMSNorm runs, saved by older versions; now chosen when a model is built.
+        args = ModelArgs(**{k: v for k, v in fields.items() if k != "norm_impl"})
+    except (TypeError, AttributeError) as e:  # a field this version does not know, or one it needs missing
         raise ValueError(f"{path / CONFIG} does not describe a llama_mini model ({e})") from None
     state = _read_safetensors(path / WEIGHTS)
     if args.tie_embeddings:
