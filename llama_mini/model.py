@@ -37,7 +37,13 @@ class ModelArgs:
     hidden_dim: Optional[int] = None  # the SwiGLU size stated outright (HF configs do); None: Meta's rule
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    use_scaled_rope: bool = False  # Llama-3.1's long-context frequency scaling
+    # Llama-3.1's long-context RoPE scaling (see scale_rope_frequencies). The defaults are the
+    # constants of Meta's apply_scaling; Llama-3.2 1B and 3B use a factor of 32.
+    use_scaled_rope: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context the model was pretrained with
     max_seq_len: int = 4096  # Llama-2's context length; Meta's file does not state it
     # Our own fields, for the normalisation ablation and for training from scratch.
     norm: str = "rmsnorm"  # one of NORMS
@@ -57,6 +63,21 @@ class ModelArgs:
             raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.use_scaled_rope:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self):
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"RoPE scaling needs {name} to be a positive number, got {value!r}")
+        if self.rope_scaling_factor < 1:
+            raise ValueError(f"rope_scaling_factor must be >= 1 (it stretches the context), got {self.rope_scaling_factor}")
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
+                f"rope_low_freq_factor ({self.rope_low_freq_factor})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -129,17 +150,20 @@ def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
     """Meta's inverse frequencies theta^(-2i/d) in float32, with Llama-3.1's scaling when asked for."""
     d = args.head_dim
     freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d))
-    return scale_rope_frequencies(freqs) if args.use_scaled_rope else freqs
+    return scale_rope_frequencies(freqs, args) if args.use_scaled_rope else freqs
 
 
-def scale_rope_frequencies(freqs, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
-    """Llama-3.1: slow the low frequencies down by `factor` so the context stretches 8x,
-    keep the high ones, and blend smoothly in between (Meta's apply_scaling)."""
+def scale_rope_frequencies(freqs, args: ModelArgs):
+    """Llama-3.1: slow the low frequencies down by rope_scaling_factor so the context
+    stretches that much, keep the high ones, and blend smoothly in between (Meta's
+    apply_scaling, with its constants read from args)."""
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_context_len = args.rope_original_max_seq_len
     wavelen = 2 * math.pi / freqs
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (old_context_len / wavelen - low) / (high - low)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
-    scaled = torch.where(wavelen > old_context_len / low_freq_factor, freqs / factor, blended)
-    return torch.where(wavelen < old_context_len / high_freq_factor, freqs, scaled)
+    scaled = torch.where(wavelen > old_context_len / low, freqs / factor, blended)
+    return torch.where(wavelen < old_context_len / high, freqs, scaled)
 
 
 def rope_cos_sin(args: ModelArgs, start_pos: int, seq_len: int, device=None):
