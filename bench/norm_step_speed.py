@@ -7,7 +7,7 @@ random order, and ratios are per round against the LayerNorm model, so load from
 processes falls on all variants alike.
 
 Where a model's tensors happen to lie in memory moves its step time by a few percent, even
-between two identical models built one after the other (docs/norm_speed.md). So each
+between two identical models built one after the other (docs/norm_step_speed.md). So each
 trial builds every variant afresh, in a random order, and the result is
 the geometric mean of the per-round ratios over all trials, with the spread of the trials'
 own means and the standard error those give (placement, not per-round noise, dominates it).

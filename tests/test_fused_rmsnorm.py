@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
-from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm
+from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, rmsnorm_build
 from llama_mini.model import build_norm
 
 EPS = 1e-5
@@ -254,20 +254,20 @@ def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkey
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 42; }\n')
-    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [small])
-    first = fused_rmsnorm.build()
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
+    first = rmsnorm_build.build()
     assert first.parent == tmp_path and ctypes.CDLL(str(first)).answer() == 42
-    assert capsys.readouterr().err == fused_rmsnorm.BUILD_NOTICE + "\n"  # one line, before compiling
+    assert capsys.readouterr().err == rmsnorm_build.BUILD_NOTICE + "\n"  # one line, before compiling
     mtime = first.stat().st_mtime_ns
-    assert fused_rmsnorm.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
+    assert rmsnorm_build.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
     assert capsys.readouterr().err == ""  # loading from the cache is silent
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 43; }\n')
-    assert fused_rmsnorm.build() != first  # a changed source is a new binary
+    assert rmsnorm_build.build() != first  # a changed source is a new binary
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [bad])
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [bad])
     with pytest.raises(RuntimeError, match="failed on bad.cpp: .*error"):
-        fused_rmsnorm.build()
+        rmsnorm_build.build()
     assert len(list(tmp_path.glob("*.so"))) == 2 and not list(tmp_path.glob(".*"))  # no half-written binary left
 
 
@@ -276,13 +276,13 @@ def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 7; }\n')
-    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [small])
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     killed = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{int(finished.stdout)}"  # its process is gone
     running = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{os.getpid()}"  # a build in progress
     killed.write_bytes(b"half a binary")
     running.write_bytes(b"half a binary")
-    fused_rmsnorm.build()
+    rmsnorm_build.build()
     assert not killed.exists() and running.exists()
 
 
@@ -340,7 +340,7 @@ def test_large_outputs_written_by_streaming_stores_equal_the_reference(fresh_out
     (kernels/csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
     4099 puts most rows off the vector alignment, so the copy's head and tail run too."""
     kernel = fused_rmsnorm.cpu_kernel()[0]
-    library = ctypes.CDLL(str(fused_rmsnorm.library_path()))  # the loaded operator's own kernels, by their C ABI
+    library = ctypes.CDLL(str(rmsnorm_build.library_path()))  # the loaded operator's own kernels, by their C ABI
     rows, dim = 2048, 4099  # 33.6 MB of float32 per output
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)

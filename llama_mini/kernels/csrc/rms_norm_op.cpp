@@ -4,7 +4,7 @@
 // Why not a torch.autograd.Function in Python around a ctypes call: inside a model the
 // interpreter's work per norm and per direction (its data cold in cache after the matmuls)
 // made a small RMSNorm model's training step measurably slower than nn.LayerNorm's, whose
-// dispatch and autograd node are C++ (docs/norm_speed.md). Registered through the
+// dispatch and autograd node are C++ (docs/norm_step_speed.md). Registered through the
 // dispatcher, the fused norm pays what LayerNorm pays: one operator call forward, one C++
 // node backward.
 
