@@ -102,7 +102,7 @@ def rope_args_from_hf_config(config: dict, source="config.json") -> dict:
     """
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if not isinstance(rope, dict):
-        raise ValueError(f"{source}: rope_scaling must be a JSON object, got {rope!r}")
+        raise ValueError(f"{source}: rope_scaling (rope_parameters) must be a JSON object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     fields = {"rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}
     if rope_type == "default":
@@ -111,7 +111,7 @@ def rope_args_from_hf_config(config: dict, source="config.json") -> dict:
         raise ValueError(f"{source} asks for rope_type {rope_type!r}, which llama_mini does not implement (it has default and llama3)")
     missing = [key for key in _LLAMA3_ROPE_KEYS if rope.get(key) is None]
     if missing:
-        raise ValueError(f"{source}: rope_type 'llama3' needs {', '.join(missing)} in its rope_scaling, which has none")
+        raise ValueError(f"{source}: rope_type 'llama3' lacks {', '.join(missing)}; the model's published config.json states them")
     return {**fields, "use_scaled_rope": True, **{ours: rope[key] for key, ours in _LLAMA3_ROPE_KEYS.items()}}
 
 

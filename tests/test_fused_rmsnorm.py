@@ -303,6 +303,25 @@ def test_import_loads_no_compiler_machinery_and_a_cached_kernel_loads_silently()
     assert result.stderr == expected
 
 
+@pytest.mark.parametrize("importer", ["rmsnorm_build._torch_flags()", "import torch.utils.cpp_extension"])
+def test_compiling_keeps_cpp_extensions_import_time_notices_from_the_user(importer):
+    """A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
+    cpp_extension is imported; the build imports it without letting that through."""
+    code = (
+        "import os, torch\n"
+        "torch.cuda._is_compiled, torch.version.cuda = (lambda: True), '12.0'  # a CUDA build of torch\n"
+        "torch.cuda.is_available = lambda: False  # on a machine without a GPU\n"
+        "os.environ['CUDA_HOME'] = os.getcwd()\n"
+        f"from llama_mini.kernels import rmsnorm_build\n{importer}\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    if importer.startswith("import"):  # the notice this guards against, so the test can fail
+        assert "No CUDA runtime is found" in result.stderr
+    else:
+        assert result.stderr == ""
+
+
 @requires_kernel
 def test_weight_of_the_wrong_size_is_refused_in_one_line():
     kernel = fused_rmsnorm.cpu_kernel()[0]

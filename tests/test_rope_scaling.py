@@ -147,8 +147,8 @@ def test_legacy_type_key_is_read_and_refused_too(tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"factor": None}, "needs factor"),
-    ({"low_freq_factor": None, "high_freq_factor": None}, "needs low_freq_factor, high_freq_factor"),
+    ({"factor": None}, "lacks factor;"),
+    ({"low_freq_factor": None, "high_freq_factor": None}, "lacks low_freq_factor, high_freq_factor;"),
     ({"factor": "32"}, "rope_scaling_factor to be a positive number, got '32'"),
     ({"factor": 0.5}, "rope_scaling_factor must be >= 1"),
     ({"low_freq_factor": 4.0}, "rope_high_freq_factor (4.0) must be greater than rope_low_freq_factor (4.0)"),
@@ -157,3 +157,8 @@ def test_legacy_type_key_is_read_and_refused_too(tmp_path):
 def test_llama3_scaling_with_missing_or_invalid_parameters_is_refused_in_one_line(tmp_path, change, message):
     write_hf_folder(tmp_path, "rope_scaling", {**llama3_rope(32.0), **change})
     assert message in refusal(tmp_path)
+
+
+def test_rope_scaling_that_is_not_an_object_is_refused_in_one_line(tmp_path):
+    write_hf_folder(tmp_path, "rope_scaling", ["llama3", 32])
+    assert "must be a JSON object, got ['llama3', 32]" in refusal(tmp_path)
