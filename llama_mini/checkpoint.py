@@ -128,7 +128,8 @@ def _read_native(path: Path):
     config = read_json(path / CONFIG)["llama_mini"]
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
-    args = model_args(config, path / CONFIG)
+    # norm_impl: how RMSNorm runs, saved by older versions; now chosen when a model is built.
+    args = model_args({k: v for k, v in config.items() if k != "norm_impl"}, path / CONFIG)
     state = read_safetensors(path / WEIGHTS)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -146,11 +147,27 @@ def _read_meta(path: Path, tokenizer_path=None):
             )
         params["vocab_size"] = Tokenizer(tokenizer_path).n_words
     args = model_args(params, path / META_PARAMS)
+    if args.use_scaled_rope and "rope_scaling_factor" not in params:  # Llama-3.x's files state no factor
+        args.rope_scaling_factor = meta_rope_scaling_factor(params)
     files = sorted(path.glob("consolidated.*.pth"))
     if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
         names = ", ".join(f.name for f in files) or "none"
         raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
     return args, merge_meta_shards([tensor_dict(torch_load(f), f) for f in files])
+
+
+# Meta's params.json for Llama-3.x says only "use_scaled_rope": its reference code
+# (meta-llama/llama-models, models/llama3/model.py, apply_scaling) hard-codes a factor of 8.
+# Llama-3.2 1B and 3B were trained with 32, as their Hugging Face config.json states and
+# Meta's maintainers confirmed (llama-models issues #166 and #241), so those two models, known
+# by the shapes in llama-models' models/sku_list.py, get 32. Llama-4's params.json names the
+# factor rope_scaling_factor (models/llama4/args.py); meta_params writes it under that name.
+LLAMA32_SMALL_SHAPES = {(2048, 16, 32, 8), (3072, 28, 24, 8)}  # (dim, n_layers, n_heads, n_kv_heads)
+
+
+def meta_rope_scaling_factor(params: dict) -> float:
+    shape = tuple(params.get(k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads"))
+    return 32.0 if shape in LLAMA32_SMALL_SHAPES else 8.0
 
 
 def _read_hf(path: Path):
@@ -159,11 +176,9 @@ def _read_hf(path: Path):
         raise ValueError(f"{path / CONFIG} describes a {brief(config.get('model_type'))} model; only Llama (model_type 'llama') is supported")
     check_fields(config, CONFIG_TYPES, path / CONFIG)
     try:
-        args = args_from_hf_config(config)
+        args = args_from_hf_config(config, source=path / CONFIG)
     except KeyError as e:
         raise ValueError(f"{path / CONFIG} lacks the field {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
     check_fields(dataclasses.asdict(args), typing.get_type_hints(ModelArgs), path / CONFIG)
     state = {}
     for file in _hf_weight_files(path):
@@ -321,7 +336,8 @@ def _write_meta(model: Transformer, path: Path, shards: int) -> None:
 
 
 def meta_params(args: ModelArgs) -> dict:
-    """ModelArgs -> Meta's params.json: only fields Meta's own ModelArgs knows.
+    """ModelArgs -> Meta's params.json: only fields Meta's own ModelArgs knows, and the RoPE
+    scaling parameters, which Meta's Llama-3 code ignores (see meta_rope_scaling_factor).
 
     A SwiGLU size stated outright (hidden_dim, from an HF config) that Meta's rule does not
     give from multiple_of is written as multiple_of = that size: the rule then rounds
@@ -339,7 +355,9 @@ def meta_params(args: ModelArgs) -> dict:
     if args.rope_theta != 10000.0:
         params["rope_theta"] = args.rope_theta
     if args.use_scaled_rope:
-        params["use_scaled_rope"] = True
+        params.update(use_scaled_rope=True, rope_scaling_factor=args.rope_scaling_factor,
+                      rope_low_freq_factor=args.rope_low_freq_factor, rope_high_freq_factor=args.rope_high_freq_factor,
+                      rope_original_max_seq_len=args.rope_original_max_seq_len)
     return params
 
 

@@ -110,7 +110,17 @@ def generate_stream(
         generator.seed()
     else:
         generator.manual_seed(seed)
-    return _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator)
+    steps = _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator)
+    return _dropping_cache(model, steps)
+
+
+def _dropping_cache(model, steps):
+    """steps, then the KV cache freed however decoding ends (finished, stopped early or
+    failed): the model's forwards after it process whole sequences again."""
+    try:
+        yield from steps
+    finally:
+        model.drop_cache()
 
 
 @torch.inference_mode()

@@ -52,7 +52,6 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    model.init_rope()  # the RoPE tables are still on the meta device, where nothing can copy them from
     return model.to(device=device, dtype=dtype).eval()
 
 
