@@ -55,11 +55,10 @@ def read_bin(file: Path):
     version, header, shared, group_size, offset = _read_header(file)
     args = model_args({**header, "tie_embeddings": shared}, file)
     layout = _layout(args, version, shared)
-    # v2 stores each matrix as int8 values and then one fp32 scale per group; vectors in fp32.
-    quantized = version == 2
-    if quantized and any(_numel(shape) % group_size for _, shape, _ in layout if len(shape) == 2):
+    # v2 (group_size given) stores each matrix as int8 values and then one fp32 scale per group.
+    if group_size and any(_numel(shape) % group_size for _, shape, _ in layout if len(shape) == 2):
         raise ValueError(f"{file}: group size {group_size} does not divide every weight matrix; the file is corrupt")
-    expected = offset + sum(count * _nbytes(shape, group_size if quantized else None) for _, shape, count in layout)
+    expected = offset + sum(count * _nbytes(shape, group_size) for _, shape, count in layout)
     size = file.stat().st_size
     if size != expected:  # checked before any array is read or any name is listed
         raise ValueError(
@@ -69,18 +68,17 @@ def read_bin(file: Path):
     data = torch.from_file(str(file), shared=False, size=size, dtype=torch.uint8)  # mapped, read when used
     state, pos = {}, offset
     for template, shape, count in layout:
-        step = _nbytes(shape, group_size if quantized else None)
         for i in range(count):
             if template is not None:
-                state[template.format(i)] = _array(data, pos, shape, group_size if quantized else None)
-            pos += step
+                state[template.format(i)] = _array(data, pos, shape, group_size)
+            pos += _nbytes(shape, group_size)
     if shared:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
 
 
 def _read_header(file: Path):
-    """(version, the 7 header ints by name, shared classifier, group size, weights offset)."""
+    """(version, the 7 header ints by name, shared classifier, v2's group size or None, weights offset)."""
     with open(file, "rb") as f:
         head = f.read(_VERSIONED_HEADER_BYTES)
     if len(head) < 4 * len(HEADER):
