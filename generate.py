@@ -70,7 +70,9 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
     print(echo, end="", flush=True)
     pieces = []
     context_id = prompt_ids[-1] if continues_prompt else tokenizer.bos_id
-    for piece in stream_text(tokenizer, (step[0] for step in steps), context_id=context_id):
+    # one row: its step is None only at the end, for the EOS that is not part of the text
+    new_ids = (step[0] for step in steps if step[0] is not None)
+    for piece in stream_text(tokenizer, new_ids, context_id=context_id):
         print(piece, end="", flush=True)
         pieces.append(piece)
     print(flush=True)

@@ -28,6 +28,36 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"), tokenizer_path=FIXTURE_TOKENIZER)
 
 
+@pytest.fixture(scope="module")
+def eos_ckpt(tmp_path_factory):
+    """A tiny model whose samples end with EOS after about ten tokens, or run to the limit.
+
+    Every token embedding carries a constant 1 in feature 0, so the final RMSNorm output has
+    a large positive feature 0 at every position; only EOS's output row reads it, which
+    gives EOS a steady logit of about 2 above the near-uniform rest of the vocabulary.
+    """
+    root = tmp_path_factory.mktemp("eos")
+    text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
+    tokenizer = Tokenizer.train(text.split(". "), vocab_size=300, model_path=root / "tok.model")
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tokenizer.n_words, max_seq_len=64))
+    with torch.no_grad():
+        model.tok_embeddings.weight[:, 0] = 1.0
+        model.output.weight[:, 0] = 0.0
+        model.output.weight[tokenizer.eos_id, 0] = 0.37
+    return save_checkpoint(model, root / "ckpt", tokenizer_path=tokenizer.model_path)
+
+
+def expected_samples(ckpt, prompt, n_samples, max_new_tokens, seed):
+    """What generate.py must print: each sample as generate() returns it for seed + i, decoded."""
+    from llama_mini import load_checkpoint
+
+    tokenizer, model = Tokenizer(ckpt / "tokenizer.model"), load_checkpoint(ckpt)
+    ids = tokenizer.encode(prompt)
+    news = [generate(model, [ids], max_new_tokens, eos_id=tokenizer.eos_id, seed=seed + i)[0] for i in range(n_samples)]
+    return [tokenizer.decode(ids + new) for new in news], [len(new) for new in news]
+
+
 def run(*args, stdin=""):
     return subprocess.run(
         [sys.executable, str(ROOT / "generate.py"), *map(str, args)],
@@ -44,6 +74,23 @@ def test_prompt_is_continued_with_exactly_the_decoded_tokens(ckpt):
     prompt = tokenizer.encode("Once upon a time")
     new = generate(load_checkpoint(ckpt), [prompt], 24, temperature=0, eos_id=tokenizer.eos_id)[0]
     assert result.stdout == tokenizer.decode(prompt + new) + "\n"
+
+
+def test_samples_that_reach_eos_print_what_generate_returns(eos_ckpt):
+    texts, lengths = expected_samples(eos_ckpt, "Tom", 16, 24, seed=0)
+    assert 0 in lengths and 24 in lengths and any(0 < n < 24 for n in lengths)  # EOS first, never, midway
+    result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 0, "--num-samples", 16)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == "".join(f"--- sample {i + 1}/16\n{text}\n" for i, text in enumerate(texts))
+
+
+def test_one_sample_that_ends_at_eos_prints_its_text(eos_ckpt):
+    texts, lengths = expected_samples(eos_ckpt, "Tom", 1, 24, seed=3)
+    assert 0 < lengths[0] < 24  # this seed ends at EOS
+    result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 3)
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == texts[0] + "\n"
 
 
 def load_cli():
