@@ -10,6 +10,7 @@ dummy prefix), one token per character (or its UTF-8 bytes), then the adjacent p
 merge has the highest score is merged, the leftmost on ties, until no pair merges.
 """
 
+import codecs
 import heapq
 import os
 import re
@@ -20,6 +21,9 @@ from .tokenizer import Tokenizer
 BOS_PIECE, EOS_PIECE = b"\n<s>\n", b"\n</s>\n"
 _BYTE_PIECE = re.compile(rb"<0x([0-9A-F]{2})>")
 _NO_MERGE = -1e10  # run.c's starting best score: a merge must score above it
+# SentencePiece decodes each byte that is not part of a character as one U+FFFD; Python's
+# "replace" makes one of a whole broken sequence.
+codecs.register_error("sentencepiece", lambda e: ("\ufffd" * (e.end - e.start), e.end))
 
 
 class Llama2cTokenizer(Tokenizer):
@@ -54,7 +58,8 @@ class Llama2cTokenizer(Tokenizer):
 
     def decode(self, ids) -> str:
         """The text of ids, as SentencePiece decodes it: BOS and EOS vanish, byte pieces become
-        their byte, and the first piece's leading space (the dummy prefix) is dropped."""
+        their byte, the first piece's leading space (the dummy prefix) is dropped, and each
+        byte that is not part of a character becomes U+FFFD."""
         out, first = bytearray(), True
         for i in ids:
             if i in (self.bos_id, self.eos_id):
@@ -66,7 +71,7 @@ class Llama2cTokenizer(Tokenizer):
             else:
                 out += piece[1:] if first and piece.startswith(b" ") else piece
             first = False
-        return out.decode("utf-8", errors="replace")
+        return out.decode("utf-8", errors="sentencepiece")
 
     def _byte_id(self, byte: int) -> int:
         if byte not in self.byte_ids:

@@ -6,38 +6,17 @@ Its merge order (highest score first, leftmost on ties) is checked on a vocabula
 enough to work out by hand.
 """
 
-import struct
 from pathlib import Path
 
 import pytest
 import sentencepiece as spm
+from llama2c_files import BYTE_PIECES, export_sentencepiece, write_tokenizer_bin
 
 from llama_mini import corpus
 from llama_mini.llama2c_tokenizer import Llama2cTokenizer
 from llama_mini.tokenizer import Tokenizer
 
 META_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llama2-tokenizer.model"
-BYTE_PIECES = [f"<0x{b:02X}>" for b in range(256)]
-
-
-def write_tokenizer_bin(path, pieces, scores):
-    """llama2.c's layout: uint32 max_token_length, then per token float32 score, uint32 length, bytes."""
-    data = [piece.encode("utf-8") for piece in pieces]
-    with open(path, "wb") as f:
-        f.write(struct.pack("<I", max(len(b) for b in data)))
-        for b, score in zip(data, scores):
-            f.write(struct.pack("<fI", score, len(b)) + b)
-    return path
-
-
-def export_sentencepiece(model_path, out):
-    """llama2.c's tokenizer.py export: BOS/EOS become "\\n<s>\\n" and "\\n</s>\\n", "▁" a space."""
-    sp = spm.SentencePieceProcessor(model_file=str(model_path))
-    pieces = []
-    for i in range(sp.vocab_size()):
-        piece = {sp.bos_id(): "\n<s>\n", sp.eos_id(): "\n</s>\n"}.get(i, sp.id_to_piece(i))
-        pieces.append(piece.replace("▁", " "))
-    return write_tokenizer_bin(out, pieces, [sp.get_score(i) for i in range(sp.vocab_size())])
 
 
 @pytest.fixture(scope="module", params=["trained", "meta"])
@@ -84,6 +63,15 @@ def test_decode_drops_only_the_first_pieces_leading_space(pair):
     for cut in range(1, len(ids)):
         assert tokenizer.decode(ids[cut:]) == sp.decode(ids[cut:])
     assert tokenizer.decode([1] + ids) == "so it goes"
+
+
+def test_bytes_that_form_no_character_decode_as_sentencepiece_decodes_them(pair):
+    sp, tokenizer = pair
+    byte = lambda b: tokenizer.byte_ids[b]  # noqa: E731
+    a = tokenizer.encode("a", bos=False)
+    for ids in ([byte(0xE2), byte(0x82)] + a, [byte(0xF0), byte(0x9F), byte(0x99)], [byte(0x80), byte(0xFF)] + a):
+        assert tokenizer.decode(ids) == sp.decode(ids)
+    assert tokenizer.decode([byte(0xE2), byte(0x82)]) == "\ufffd\ufffd"  # one per byte
 
 
 # --- run.c's merge order, on a vocabulary small enough to follow by hand ---------------------
