@@ -30,7 +30,7 @@ MAX_CONTEXT = 1 << 24
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint folder (llama_mini run, Meta or Hugging Face)")
-    p.add_argument("--tokenizer", help="tokenizer.model or tokenizer.bin (default: the one in the checkpoint folder or its parent)")
+    p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--prompt-file", help="file whose text to continue")
@@ -124,14 +124,10 @@ def chat(model, tokenizer, args) -> None:
 def open_tokenizer(ckpt: Path, path=None) -> Tokenizer:
     """The tokenizer named by --tokenizer, else the checkpoint's own."""
     path = path or find_tokenizer(ckpt)
-    if path is None and (ckpt / "tokenizer.json").is_file():
-        raise FileNotFoundError(
-            f"{ckpt} holds only tokenizer.json, Hugging Face's format, which llama_mini does not read; pass "
-            "--tokenizer with Meta's tokenizer.model (Meta's Hugging Face repositories keep it in original/)"
-        )
     if path is None:
         raise FileNotFoundError(
-            f"no tokenizer.model in {ckpt} or its parent (nor original/tokenizer.model or tokenizer.bin); pass --tokenizer PATH"
+            f"no tokenizer.model in {ckpt} or its parent (nor original/tokenizer.model, tokenizer.bin or "
+            "tokenizer.json); pass --tokenizer PATH"
         )
     return Tokenizer(path)
 

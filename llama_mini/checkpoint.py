@@ -74,8 +74,9 @@ def detect_format(path) -> str:
 
 
 # Where a checkpoint's tokenizer lives: ours and Meta's beside the weights; Meta's HF repos
-# of Llama-3 keep Meta's tiktoken file in original/; llama2.c's is tokenizer.bin.
-TOKENIZER_NAMES = (TOKENIZER, "original/" + TOKENIZER, "tokenizer.bin")
+# of Llama-3 keep Meta's tiktoken file in original/; llama2.c's is tokenizer.bin; failing
+# those, Hugging Face's own tokenizer.json.
+TOKENIZER_NAMES = (TOKENIZER, "original/" + TOKENIZER, "tokenizer.bin", "tokenizer.json")
 
 
 def find_tokenizer(path):

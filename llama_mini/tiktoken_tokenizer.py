@@ -44,20 +44,27 @@ _RUNS = re.compile(r"\s+|\S+")  # \s is exactly str.isspace, Meta's test
 class TiktokenTokenizer(Tokenizer):
     def __init__(self, model_path):
         self.model_path = os.fspath(model_path)
-        ranks = read_ranks(self.model_path)
-        self.special_tokens = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        ranks, self.special_tokens = self.read(self.model_path)
         self.model = tiktoken.Encoding(
             name=Path(model_path).name, pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=self.special_tokens
         )
         self.n_words: int = self.model.n_vocab
         self.bos_id: int = self.special_tokens["<|begin_of_text|>"]
         self.eos_id: int = self.special_tokens["<|end_of_text|>"]
-        self.pad_id: int = self.special_tokens["<|finetune_right_pad_id|>"]
+        self.pad_id: int = self.special_tokens.get("<|finetune_right_pad_id|>", -1)
+
+    @staticmethod
+    def read(path) -> tuple[dict[bytes, int], dict[str, int]]:
+        """Meta's file holds the ranks; Meta's code numbers the special tokens after them."""
+        ranks = read_ranks(path)
+        return ranks, {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
 
     @property
     def stop_ids(self) -> list[int]:
-        """A text ends with <|end_of_text|>, a chat turn with <|eot_id|>, a tool call with <|eom_id|>."""
-        return [self.eos_id] + [self.special_tokens[name] for name in ("<|eom_id|>", "<|eot_id|>")]
+        """A text ends with <|end_of_text|>, a chat turn with <|eot_id|>, a tool call with
+        <|eom_id|> (Llama-3.1 on; a Llama-3.0 tokenizer.json does not name it)."""
+        names = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
+        return [self.special_tokens[name] for name in names if name in self.special_tokens]
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         """Text that spells a special token ("<|eot_id|>") is encoded as plain text, as Meta's default does."""

@@ -2,6 +2,7 @@
 
     Tokenizer(path)  ->  SentencePieceTokenizer  Llama-2's tokenizer.model, or a BPE trained on our data
                      ->  TiktokenTokenizer       Llama-3's tokenizer.model (tiktoken BPE ranks)
+                     ->  HfTokenizerJson         Llama-3's tokenizer.json (Hugging Face), read as those ranks
                      ->  Llama2cTokenizer        llama2.c's tokenizer.bin
 
 Every family has Meta's interface: encode(text, bos, eos), decode(ids), bos_id, eos_id,
@@ -91,8 +92,8 @@ class SentencePieceTokenizer(Tokenizer):
             self.sp.Load(self.model_path)
         except (OSError, RuntimeError) as e:
             raise ValueError(
-                f"{model_path} is not a tokenizer llama_mini reads: not a SentencePiece model ({e}), "
-                "nor tiktoken BPE ranks (Llama-3), nor llama2.c's tokenizer.bin"
+                f"{model_path} is not a tokenizer llama_mini reads: not a SentencePiece model ({e}), nor "
+                "Llama-3's tiktoken ranks or tokenizer.json, nor llama2.c's tokenizer.bin"
             ) from None
         self.n_words: int = self.sp.vocab_size()
         self.bos_id: int = self.sp.bos_id()
@@ -101,7 +102,7 @@ class SentencePieceTokenizer(Tokenizer):
         if self.bos_id < 0 or self.eos_id < 0:
             raise ValueError(
                 f"{model_path} is a SentencePiece model without BOS/EOS tokens (bos_id {self.bos_id}, "
-                f"eos_id {self.eos_id}); Llama needs both: train it with bos_id and eos_id set, or pass Meta's"
+                f"eos_id {self.eos_id}); Llama needs both: train it with bos_id and eos_id set, as Tokenizer.train does"
             )
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
@@ -122,6 +123,10 @@ def _family(model_path) -> type:
         from .tiktoken_tokenizer import TiktokenTokenizer
 
         return TiktokenTokenizer
+    if head.lstrip().startswith(b"{"):
+        from .tokenizer_json import HfTokenizerJson
+
+        return HfTokenizerJson
     if _looks_like_llama2c(head):
         from .llama2c_tokenizer import Llama2cTokenizer
 

@@ -90,3 +90,16 @@ def tiny_llama3(folder, change=lambda model: model):
     (folder / "original").mkdir()
     shutil.copyfile(LLAMA3_TOKENIZER, folder / "original" / "tokenizer.model")
     return folder
+
+
+def write_llama3_tokenizer_json(path):
+    """Meta's Llama-3 ranks as Hugging Face's tokenizer.json, made as the Hub's were: by
+    transformers' TikTokenConverter."""
+    if not LLAMA3_TOKENIZER.is_file():
+        pytest.skip(f"Meta's Llama-3 tokenizer is not at {LLAMA3_TOKENIZER}")
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from llama_mini.tiktoken_tokenizer import SPECIAL_TOKENS
+
+    TikTokenConverter(vocab_file=str(LLAMA3_TOKENIZER), extra_special_tokens=SPECIAL_TOKENS).converted().save(str(path))
+    return path

@@ -5,7 +5,9 @@ with memory for the tokens actually used."""
 import shutil
 
 import pytest
-from generate_cli_helpers import assert_clean_error, expected_samples, favour_token, load_cli, run, tiny_llama3
+from generate_cli_helpers import (
+    assert_clean_error, expected_samples, favour_token, load_cli, run, tiny_llama3, write_llama3_tokenizer_json,
+)
 
 from llama_mini import generate, load_checkpoint
 from llama_mini.model import Transformer
@@ -60,9 +62,19 @@ def test_the_context_is_the_checkpoints_and_the_cache_holds_only_the_tokens_used
     assert capsys.readouterr().out == "Hello there" + tokenizer.decode(new) + "\n"
 
 
-def test_a_folder_with_only_tokenizer_json_says_what_to_pass(hf_llama3, tmp_path, capsys):
+def test_a_folder_with_only_tokenizer_json_reads_it_as_metas_tokenizer(hf_llama3, tokenizer, tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(hf_llama3, folder, ignore=shutil.ignore_patterns("original"))
-    (folder / "tokenizer.json").write_text("{}")
+    write_llama3_tokenizer_json(folder / "tokenizer.json")
+    texts, _ = expected_samples(hf_llama3, tokenizer, "Hello", 2, 12, seed=0)
+    result = run("--ckpt", folder, "--prompt", "Hello", "--max-new-tokens", 12, "--seed", 0, "--num-samples", 2)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(f"--- sample {i + 1}/2\n{text}\n" for i, text in enumerate(texts))
+
+
+def test_a_tokenizer_json_it_cannot_read_exactly_says_what_to_pass(hf_llama3, tmp_path):
+    folder = tmp_path / "hf"
+    shutil.copytree(hf_llama3, folder, ignore=shutil.ignore_patterns("original"))
+    (folder / "tokenizer.json").write_text('{"model": {"type": "Unigram"}}')
     result = run("--ckpt", folder, "--prompt", "Hi")
-    assert_clean_error(result, "holds only tokenizer.json", "--tokenizer", "original/")
+    assert_clean_error(result, "tokenizer.json is not a Llama-3 tokenizer.json", "--tokenizer", "original/")
