@@ -147,6 +147,17 @@ def test_unknown_format_is_reported(tmp_path, capsys):
     assert_clean_error(run_in_process("--ckpt", tmp_path, "--prompt", "Hi", capsys=capsys), "not a checkpoint folder")
 
 
+def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eos_ckpt, tmp_path, capsys):
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(["Tom had a red ball.", "Sue was glad."] * 200), model_prefix=str(tmp_path / "nobos"),
+        vocab_size=40, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+    )
+    result = run_in_process("--ckpt", eos_ckpt, "--tokenizer", tmp_path / "nobos.model", "--prompt", "Hi", capsys=capsys)
+    assert_clean_error(result, "nobos.model is a SentencePiece model without BOS/EOS")
+
+
 # --- Issue 13's bad input: one `error:` line that names the flag or the file, never a traceback ---
 
 BAD_INPUT = {
