@@ -150,9 +150,12 @@ def test_unknown_format_is_reported(tmp_path, capsys):
 def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eos_ckpt, tmp_path, capsys):
     import sentencepiece as spm
 
+    from llama_mini import corpus
+
+    lines = [line for story in corpus.stories(2000) for line in story.splitlines()]
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(["Tom had a red ball.", "Sue was glad."] * 200), model_prefix=str(tmp_path / "nobos"),
-        vocab_size=40, bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "nobos"), vocab_size=200,
+        bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
     )
     result = run_in_process("--ckpt", eos_ckpt, "--tokenizer", tmp_path / "nobos.model", "--prompt", "Hi", capsys=capsys)
     assert_clean_error(result, "nobos.model is a SentencePiece model without BOS/EOS")
