@@ -1,14 +1,14 @@
 """Training-step time of the same model with RMSNorm and with LayerNorm.
 
-The RMSNorm model uses norm_impl "auto" (the fused kernel, as training does); the same
-model with Meta's eager RMSNorm ("reference") is timed alongside to show what the kernel
-buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in a
+The RMSNorm model is built with norm_impl "auto" (the fused kernel, as training does); the
+same model with Meta's eager RMSNorm ("reference") is timed alongside to show what the
+kernel buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in a
 random order, and ratios are per round against the LayerNorm model, so load from other
 processes falls on all variants alike.
 
-Where a model's tensors happen to lie in memory moves its step time by a few percent: two
-identical models built one after the other differed by 1% in forward and 4% in the optimizer
-step here. So each trial builds every variant afresh, in a random order, and the result is
+Where a model's tensors happen to lie in memory moves its step time by a few percent, even
+between two identical models built one after the other (docs/norm_step_speed.md). So each
+trial builds every variant afresh, in a random order, and the result is
 the geometric mean of the per-round ratios over all trials, with the spread of the trials'
 own means and the standard error those give (placement, not per-round noise, dominates it).
 
@@ -38,17 +38,17 @@ MODELS = [
     ("train.py default", dict(dim=192, n_layers=4, n_heads=6, vocab_size=1024), 16, 256),
     ("wider", dict(dim=768, n_layers=4, n_heads=12, vocab_size=1024), 8, 256),
 ]
-VARIANTS = {  # name -> ModelArgs overrides
-    "rmsnorm (fused)": dict(norm="rmsnorm", norm_impl="auto"),
-    "layernorm": dict(norm="layernorm"),
-    "rmsnorm (reference)": dict(norm="rmsnorm", norm_impl="reference"),
+VARIANTS = {  # name -> (ModelArgs.norm, Transformer's norm_impl)
+    "rmsnorm (fused)": ("rmsnorm", "auto"),
+    "layernorm": ("layernorm", "auto"),
+    "rmsnorm (reference)": ("rmsnorm", "reference"),
 }
 
 
-def make_step(args: ModelArgs, batch: int, seq_len: int, device):
+def make_step(args: ModelArgs, norm_impl: str, batch: int, seq_len: int, device):
     """A closure running one training step of a freshly initialised model."""
     torch.manual_seed(0)
-    model = Transformer(args).to(device)
+    model = Transformer(args, norm_impl).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=g).to(device)
@@ -70,8 +70,9 @@ def run_trial(variants: list, fields: dict, batch: int, seq_len: int, device, ro
     {variant: per-round step times}, and the parameter counts."""
     steps, params = {}, {}
     for variant in rng.sample(variants, len(variants)):
-        overrides = VARIANTS[variant]
-        steps[variant], params[variant] = make_step(ModelArgs(**fields, **overrides, max_seq_len=seq_len), batch, seq_len, device)
+        norm, norm_impl = VARIANTS[variant]
+        args = ModelArgs(**fields, norm=norm, max_seq_len=seq_len)
+        steps[variant], params[variant] = make_step(args, norm_impl, batch, seq_len, device)
         steps[variant]()  # warm-up: builds the kernel, touches every buffer
     times = {v: [] for v in variants}
     order = list(steps)

@@ -5,7 +5,7 @@
 Zhang & Sennrich (2019) claim RMSNorm matches LayerNorm's quality in less time. Here every
 variant trains with the same seeds (so the same initial matrices and the same batches),
 data, model size and steps; only the normalisation layer differs. Each RMSNorm uses the
-fused kernel where it runs (norm_impl "auto"), as LayerNorm uses torch's fused one.
+fused kernel where it runs (build_norm's default, "auto"), as LayerNorm uses torch's fused one.
 
 The variants are built in a random order and train round-robin in one process: each takes
 one optimizer step in turn, in a fresh random order each round, and is timed over its own

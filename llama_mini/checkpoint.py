@@ -120,14 +120,15 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    model.init_rope()  # the RoPE tables are still on the meta device, where nothing can copy them from
     return model.to(device=device, dtype=dtype).eval()
 
 
 def _read_native(path: Path, tokenizer_path=None):
     try:
-        args = ModelArgs(**_read_json(path / CONFIG)["llama_mini"])
-    except TypeError as e:  # a field this version does not know, or one it needs missing
+        fields = _read_json(path / CONFIG)["llama_mini"]
+        # norm_impl: how RMSNorm runs, saved by older versions; now chosen when a model is built.
+        args = ModelArgs(**{k: v for k, v in fields.items() if k != "norm_impl"})
+    except (TypeError, AttributeError) as e:  # a field this version does not know, or one it needs missing
         raise ValueError(f"{path / CONFIG} does not describe a llama_mini model ({e})") from None
     state = _read_safetensors(path / WEIGHTS)
     if args.tie_embeddings:
@@ -153,7 +154,23 @@ def _read_meta(path: Path, tokenizer_path=None):
                 f"{TOKENIZER} is in {path} or its parent; pass its path (--tokenizer)"
             )
         params["vocab_size"] = Tokenizer(tokenizer_path).n_words
+    if params.get("use_scaled_rope") and "rope_scaling_factor" not in params:
+        params["rope_scaling_factor"] = meta_rope_scaling_factor(params)
     return ModelArgs(**params), state
+
+
+# Meta's params.json for Llama-3.x says only "use_scaled_rope": its reference code
+# (meta-llama/llama-models, models/llama3/model.py, apply_scaling) hard-codes a factor of 8.
+# Llama-3.2 1B and 3B were trained with 32, as their Hugging Face config.json states and
+# Meta's maintainers confirmed (llama-models issues #166 and #241), so those two models, known
+# by the shapes in llama-models' models/sku_list.py, get 32. Llama-4's params.json names the
+# factor rope_scaling_factor (models/llama4/args.py); meta_params writes it under that name.
+LLAMA32_SMALL_SHAPES = {(2048, 16, 32, 8), (3072, 28, 24, 8)}  # (dim, n_layers, n_heads, n_kv_heads)
+
+
+def meta_rope_scaling_factor(params: dict) -> float:
+    shape = tuple(params.get(k) for k in ("dim", "n_layers", "n_heads", "n_kv_heads"))
+    return 32.0 if shape in LLAMA32_SMALL_SHAPES else 8.0
 
 
 def _read_hf(path: Path, tokenizer_path=None):
@@ -161,7 +178,7 @@ def _read_hf(path: Path, tokenizer_path=None):
     if config.get("model_type") != "llama":
         raise ValueError(f"{path / CONFIG} describes a {config.get('model_type')!r} model; only Llama (model_type 'llama') is supported")
     try:
-        args = args_from_hf_config(config)
+        args = args_from_hf_config(config, source=path / CONFIG)
     except KeyError as e:
         raise ValueError(f"{path / CONFIG} lacks the field {e}") from None
     state = {}
@@ -307,7 +324,8 @@ def _write_meta(model: Transformer, path: Path, shards: int) -> None:
 
 
 def meta_params(args: ModelArgs) -> dict:
-    """ModelArgs -> Meta's params.json: only fields Meta's own ModelArgs knows.
+    """ModelArgs -> Meta's params.json: only fields Meta's own ModelArgs knows, and the RoPE
+    scaling parameters, which Meta's Llama-3 code ignores (see meta_rope_scaling_factor).
 
     A SwiGLU size stated outright (hidden_dim, from an HF config) that Meta's rule does not
     give from multiple_of is written as multiple_of = that size: the rule then rounds
@@ -325,7 +343,9 @@ def meta_params(args: ModelArgs) -> dict:
     if args.rope_theta != 10000.0:
         params["rope_theta"] = args.rope_theta
     if args.use_scaled_rope:
-        params["use_scaled_rope"] = True
+        params.update(use_scaled_rope=True, rope_scaling_factor=args.rope_scaling_factor,
+                      rope_low_freq_factor=args.rope_low_freq_factor, rope_high_freq_factor=args.rope_high_freq_factor,
+                      rope_original_max_seq_len=args.rope_original_max_seq_len)
     return params
 
 

@@ -122,7 +122,17 @@ def generate_stream(
     else:
         generator.manual_seed(seed)
     stop_ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, numbers.Integral) else list(eos_id)
-    return _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator)
+    steps = _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator)
+    return _dropping_cache(model, steps)
+
+
+def _dropping_cache(model, steps):
+    """steps, then the KV cache freed however decoding ends (finished, stopped early or
+    failed): the model's forwards after it process whole sequences again."""
+    try:
+        yield from steps
+    finally:
+        model.drop_cache()
 
 
 @torch.inference_mode()

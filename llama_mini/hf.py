@@ -84,30 +84,59 @@ def from_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     return out
 
 
-def args_from_hf_config(config: dict) -> ModelArgs:
-    """config.json of a Llama model -> ModelArgs. transformers >= 5 keeps rope_theta under
-    rope_parameters; earlier versions keep it at the top level."""
+# HF's llama3 rope_scaling keys -> our ModelArgs fields.
+_LLAMA3_ROPE_KEYS = {
+    "factor": "rope_scaling_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_seq_len",
+}
+
+
+def rope_args_from_hf_config(config: dict, source="config.json") -> dict:
+    """The RoPE fields of ModelArgs from config.json: rope_parameters (transformers >= 5) or
+    rope_scaling and rope_theta (earlier versions).
+
+    A rope_type we do not implement (yarn, dynamic, longrope, linear, ...) is refused: loaded
+    with plain RoPE, such a model would run and be wrong.
+    """
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise ValueError(f"{source}: rope_scaling (rope_parameters) must be a JSON object, got {rope!r}")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "llama3"):
-        raise ValueError(f"unsupported rope_type {rope_type!r} in config.json (supported: default, llama3)")
+    fields = {"rope_theta": rope.get("rope_theta", config.get("rope_theta", 10000.0))}
+    if rope_type == "default":
+        return fields
+    if rope_type != "llama3":
+        raise ValueError(f"{source} asks for rope_type {rope_type!r}, which llama_mini does not implement (it has default and llama3)")
+    missing = [key for key in _LLAMA3_ROPE_KEYS if rope.get(key) is None]
+    if missing:
+        raise ValueError(f"{source}: rope_type 'llama3' lacks {', '.join(missing)}; the model's published config.json states them")
+    return {**fields, "use_scaled_rope": True, **{ours: rope[key] for key, ours in _LLAMA3_ROPE_KEYS.items()}}
+
+
+def args_from_hf_config(config: dict, source="config.json") -> ModelArgs:
+    """config.json of a Llama model -> ModelArgs. source names the file in error messages."""
     dim, n_heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or dim // n_heads
     if head_dim != dim // n_heads:
-        raise ValueError(f"config.json head_dim {head_dim} != hidden_size / num_attention_heads; not a Llama layout")
-    return ModelArgs(
-        dim=dim,
-        n_layers=config["num_hidden_layers"],
-        n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads") or n_heads,
-        vocab_size=config["vocab_size"],
-        hidden_dim=config["intermediate_size"],
-        norm_eps=config.get("rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-        use_scaled_rope=rope_type == "llama3",
-        max_seq_len=config.get("max_position_embeddings", 4096),
-        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
+        raise ValueError(f"{source}: head_dim {head_dim} != hidden_size / num_attention_heads; not a Llama layout")
+    rope = rope_args_from_hf_config(config, source)
+    try:
+        return ModelArgs(
+            dim=dim,
+            n_layers=config["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=config.get("num_key_value_heads") or n_heads,
+            vocab_size=config["vocab_size"],
+            hidden_dim=config["intermediate_size"],
+            norm_eps=config.get("rms_norm_eps", 1e-6),
+            max_seq_len=config.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            **rope,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
 
 
 def hf_config_from_args(args: ModelArgs) -> dict:
@@ -129,9 +158,6 @@ def hf_config_from_args(args: ModelArgs) -> dict:
         "tie_word_embeddings": args.tie_embeddings,
         "hidden_act": "silu",
     }
-    if args.use_scaled_rope:
-        config["rope_scaling"] = {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-        }
+    if args.use_scaled_rope:  # the key every transformers version reads (>= 5 converts it)
+        config["rope_scaling"] = {"rope_type": "llama3", **{key: getattr(args, ours) for key, ours in _LLAMA3_ROPE_KEYS.items()}}
     return config

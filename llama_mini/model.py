@@ -1,4 +1,4 @@
-"""The Llama-2 Transformer, written to match Meta's reference code line for line.
+"""The Llama Transformer (Llama-2 and Llama-3.x), written to match Meta's reference code line for line.
 
 Pre-norm decoder-only Transformer: RMSNorm, rotary position embeddings (RoPE), SwiGLU
 feed-forward, grouped-query attention and a KV cache for incremental decoding. Parameter
@@ -13,11 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fused_rmsnorm
-
 NORMS = ("rmsnorm", "prmsnorm", "layernorm", "none")
-# "reference": Meta's eager code. "fused": one pass over memory (llama_mini/fused_rmsnorm.py).
-# "auto": fused where it builds and runs on this machine, else the reference.
+# How RMSNorm runs; the same numbers either way. "reference": Meta's code below. "fused": the
+# kernel of llama_mini/kernels/. "auto": the kernel where it builds here, else the reference.
 NORM_IMPLS = ("auto", "fused", "reference")
 
 
@@ -39,12 +37,17 @@ class ModelArgs:
     hidden_dim: Optional[int] = None  # the SwiGLU size stated outright (HF configs do); None: Meta's rule
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    use_scaled_rope: bool = False  # Llama-3.1's long-context frequency scaling
+    # Llama-3.1's long-context RoPE scaling (see scale_rope_frequencies). The defaults are the
+    # constants of Meta's apply_scaling; Llama-3.2 1B and 3B use a factor of 32.
+    use_scaled_rope: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192  # the context the model was pretrained with
     max_seq_len: int = 4096  # Llama-2's context length; Meta's file does not state it
     # Our own fields, for the normalisation ablation and for training from scratch.
     norm: str = "rmsnorm"  # one of NORMS
     norm_p: float = 1.0  # partial RMSNorm: the RMS is taken over the first ceil(dim * p) elements
-    norm_impl: str = "auto"  # RMSNorm kernel, one of NORM_IMPLS: same numbers, different speed
     tie_embeddings: bool = False
 
     def __post_init__(self):
@@ -54,14 +57,27 @@ class ModelArgs:
             raise ValueError(f"unknown norm {self.norm!r}; choose one of {', '.join(NORMS)}")
         if not 0.0 < self.norm_p <= 1.0:
             raise ValueError(f"norm_p must be in (0, 1], got {self.norm_p}")
-        if self.norm_impl not in NORM_IMPLS:
-            raise ValueError(f"unknown norm_impl {self.norm_impl!r}; choose one of {', '.join(NORM_IMPLS)}")
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if (self.dim // self.n_heads) % 2:
             raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.use_scaled_rope:
+            self._check_rope_scaling()
+
+    def _check_rope_scaling(self):
+        for name in ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor", "rope_original_max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"RoPE scaling needs {name} to be a positive number, got {value!r}")
+        if self.rope_scaling_factor < 1:
+            raise ValueError(f"rope_scaling_factor must be >= 1 (it stretches the context), got {self.rope_scaling_factor}")
+        if self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError(
+                f"rope_high_freq_factor ({self.rope_high_freq_factor}) must be greater than "
+                f"rope_low_freq_factor ({self.rope_low_freq_factor})"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -85,19 +101,12 @@ class RMSNorm(nn.Module):
 
     With p < 1 this is the paper's partial RMSNorm (eq. 8): the RMS is estimated from the
     first ceil(dim * p) elements only, and all elements are divided by it.
-
-    impl="reference" runs the code below, Meta's, one kernel per operation. impl="fused" runs
-    the same arithmetic in one pass over memory (llama_mini/fused_rmsnorm.py), and
-    impl="auto" (the model's default) takes it where it works, else the reference.
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0, impl: str = "reference"):
+    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0):
         super().__init__()
-        if impl not in NORM_IMPLS:
-            raise ValueError(f"unknown RMSNorm impl {impl!r}; choose one of {', '.join(NORM_IMPLS)}")
         self.eps = eps
         self.p = p
-        self.impl = impl
         self.n_rms = dim if p >= 1.0 else math.ceil(dim * p)
         self.weight = nn.Parameter(torch.ones(dim))
 
@@ -106,68 +115,69 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
-        if self.impl != "reference" and self._fusable(x):
-            return fused_rmsnorm.rms_norm_fused(x, self.weight, self.eps, self.n_rms)
-        # Meta's self._norm(x.float()).type_as(x); float64 stays float64 so gradcheck can run.
+        # Meta: self._norm(x.float()); float64 stays float64, so that gradcheck can run.
         output = self._norm(x if x.dtype == torch.float64 else x.float()).type_as(x)
         return output * self.weight
 
-    def _fusable(self, x) -> bool:
-        """Whether the fused kernel takes x. Under torch.compile the reference code is
-        used: Inductor fuses it by itself, and an opaque kernel would break the graph."""
-        if torch.compiler.is_compiling():
-            return False
-        reason = fused_rmsnorm.unavailable_reason(x, self.weight)
-        if reason is None:
-            return True
-        if self.impl == "fused":
-            raise RuntimeError(f"RMSNorm(impl='fused') cannot run here: {reason}; use impl='auto' to fall back")
-        fused_rmsnorm.notice_fallback(reason)
-        return False
-
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}, impl={self.impl}"
+        return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}"
 
 
-def build_norm(args: ModelArgs) -> nn.Module:
-    """The normalisation layer named by args.norm: the one switch of the ablation."""
-    if args.norm == "rmsnorm":
-        return RMSNorm(args.dim, args.norm_eps, impl=args.norm_impl)
-    if args.norm == "prmsnorm":
-        return RMSNorm(args.dim, args.norm_eps, p=args.norm_p, impl=args.norm_impl)
+def build_norm(args: ModelArgs, impl: str = "auto") -> nn.Module:
+    """The normalisation layer named by args.norm: the one switch of the ablation.
+
+    impl (one of NORM_IMPLS) says how an RMSNorm runs. It is decided here, once, when the
+    model is built (torchtitan's build_norm), and is not saved with the model.
+    """
+    if impl not in NORM_IMPLS:
+        raise ValueError(f"unknown norm_impl {impl!r}; choose one of {', '.join(NORM_IMPLS)}")
     if args.norm == "layernorm":
         return nn.LayerNorm(args.dim, eps=args.norm_eps)
-    return nn.Identity()  # "none": the paper's baseline without normalisation
+    if args.norm == "none":
+        return nn.Identity()  # the paper's baseline without normalisation
+    p = args.norm_p if args.norm == "prmsnorm" else 1.0
+    if impl == "reference":
+        return RMSNorm(args.dim, args.norm_eps, p)
+    from .kernels import fused_rms_norm  # imported only when asked for: the kernel is optional
+
+    return fused_rms_norm(args.dim, args.norm_eps, p, fallback=impl == "auto")
 
 
 # --- Rotary position embeddings ----------------------------------------------------------
 
 
-def rope_frequencies(args: ModelArgs) -> torch.Tensor:
-    """Meta's inverse frequencies theta^(-2i/d), with Llama-3.1's scaling when asked for."""
+def rope_frequencies(args: ModelArgs, device=None) -> torch.Tensor:
+    """Meta's inverse frequencies theta^(-2i/d) in float32, with Llama-3.1's scaling when asked for."""
     d = args.head_dim
-    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2)[: d // 2].float() / d))
-    return scale_rope_frequencies(freqs) if args.use_scaled_rope else freqs
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, device=device)[: d // 2].float() / d))
+    return scale_rope_frequencies(freqs, args) if args.use_scaled_rope else freqs
 
 
-def scale_rope_frequencies(freqs, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, old_context_len=8192):
-    """Llama-3.1: slow the low frequencies down by `factor` so the context stretches 8x,
-    keep the high ones, and blend smoothly in between (Meta's apply_scaling)."""
+def scale_rope_frequencies(freqs, args: ModelArgs):
+    """Llama-3.1: slow the low frequencies down by rope_scaling_factor so the context
+    stretches that much, keep the high ones, and blend smoothly in between (Meta's
+    apply_scaling, with its constants read from args)."""
+    factor, low, high = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_context_len = args.rope_original_max_seq_len
     wavelen = 2 * math.pi / freqs
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = (old_context_len / wavelen - low) / (high - low)
     blended = (1 - smooth) * freqs / factor + smooth * freqs
-    scaled = torch.where(wavelen > old_context_len / low_freq_factor, freqs / factor, blended)
-    return torch.where(wavelen < old_context_len / high_freq_factor, freqs, scaled)
+    scaled = torch.where(wavelen > old_context_len / low, freqs / factor, blended)
+    return torch.where(wavelen < old_context_len / high, freqs, scaled)
 
 
-def precompute_freqs(args: ModelArgs, device=None):
-    """cos and sin tables of shape (max_seq_len, head_dim // 2).
+def rope_cos_sin(args: ModelArgs, start_pos: int, seq_len: int, device=None):
+    """cos and sin of the rotation angles pos * freq_i for positions start_pos ..
+    start_pos + seq_len - 1: float32 tables of shape (seq_len, head_dim // 2).
 
-    Meta stores these as complex numbers (freqs_cis); real cos/sin tables hold the same
-    values and compile better, since Inductor and Triton do not handle complex tensors.
+    Meta precomputes these for the whole context as complex numbers (freqs_cis). Computing
+    them for the positions of each forward costs little and keeps memory proportional to the
+    context actually used (a 128K-context model generating 50 tokens needs 50 rows), always
+    in float32 whatever the model's dtype; real cos/sin tables also compile better than
+    complex ones (Inductor and Triton do not handle complex tensors).
     """
-    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(t, rope_frequencies(args).to(device))
+    t = torch.arange(start_pos, start_pos + seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, rope_frequencies(args, device))
     return freqs.cos(), freqs.sin()
 
 
@@ -207,6 +217,11 @@ class KVCache(nn.Module):
         """Store k, v (B, n_kv_heads, T, head_dim) at start_pos; return all keys and values so far."""
         B, _, T, _ = k.shape
         end = start_pos + T
+        if B > self.k.shape[0] or end > self.k.shape[2]:
+            raise ValueError(
+                f"{B} sequences up to position {end} do not fit the KV cache of {self.k.shape[0]} x "
+                f"{self.k.shape[2]}; call setup_cache with a larger batch_size or max_seq_len"
+            )
         self.k[:B, :, start_pos:end] = k
         self.v[:B, :, start_pos:end] = v
         return self.k[:B, :, :end], self.v[:B, :, :end]
@@ -222,9 +237,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.cache: Optional[KVCache] = None
+        self.cache: Optional[KVCache] = None  # set by Transformer.setup_cache for decoding
 
-    def forward(self, x, cos, sin, start_pos: Optional[int] = None):
+    def forward(self, x, cos, sin, start_pos: int = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
@@ -232,7 +247,7 @@ class Attention(nn.Module):
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
 
-        if start_pos is not None:
+        if self.cache is not None:
             k, v = self.cache.update(start_pos, k, v)
         # Grouped-query attention: each key/value head serves n_heads // n_kv_heads query heads.
         # SDPA can read the shared heads in place (enable_gqa); copying them out with
@@ -245,7 +260,7 @@ class Attention(nn.Module):
                 n_rep = self.n_heads // self.n_kv_heads
                 k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
 
-        if not start_pos:  # the whole sequence from position 0: plain causal attention
+        if start_pos == 0:  # the whole sequence from position 0: plain causal attention
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         elif T == 1:  # one new token attends to everything cached
             out = F.scaled_dot_product_attention(q, k, v, **gqa)
@@ -285,20 +300,23 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, norm_impl: str = "auto"):
         super().__init__()
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args)
-        self.attention_norm = build_norm(args)
-        self.ffn_norm = build_norm(args)
+        self.attention_norm = build_norm(args, norm_impl)
+        self.ffn_norm = build_norm(args, norm_impl)
 
-    def forward(self, x, cos, sin, start_pos: Optional[int] = None):
+    def forward(self, x, cos, sin, start_pos: int = 0):
         h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """The model of args. norm_impl (one of NORM_IMPLS) picks how its RMSNorms run; it is a
+    choice of this run, not of the checkpoint, and gives the same numbers either way."""
+
+    def __init__(self, args: ModelArgs, norm_impl: str = "auto"):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError(
@@ -307,12 +325,11 @@ class Transformer(nn.Module):
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = build_norm(args)
+        self.layers = nn.ModuleList(TransformerBlock(args, norm_impl) for _ in range(args.n_layers))
+        self.norm = build_norm(args, norm_impl)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        self.init_rope()
         self.apply(self._init_weights)
         # Scaled residual init (GPT-2, llama2.c): each block adds two outputs (wo, w2) to the
         # residual stream, so without scaling its variance grows with depth. Dividing their
@@ -326,44 +343,35 @@ class Transformer(nn.Module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def init_rope(self):
-        """(Re)build the float32 cos/sin tables on the weights' device. They are not in the
-        state dict, so a model built on the meta device gets real ones once it is moved."""
-        cos, sin = precompute_freqs(self.args, self.tok_embeddings.weight.device)
-        self.register_buffer("freqs_cos", cos, persistent=False)
-        self.register_buffer("freqs_sin", sin, persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # model.to(torch.bfloat16) would round the RoPE tables with the weights; Meta rotates
-        # in float32, so rebuild them after every move or cast.
-        super()._apply(fn, recurse)
-        self.init_rope()
-        return self
-
     def setup_cache(self, batch_size: int, max_seq_len: Optional[int] = None):
-        """Allocate a KV cache on the model's device and dtype for incremental decoding."""
+        """Allocate a KV cache on the model's device and dtype for incremental decoding. From
+        now on every forward stores its keys and values in it; drop_cache() ends that."""
         max_seq_len = max_seq_len or self.args.max_seq_len
         weight = self.output.weight
         for layer in self.layers:
             attn = layer.attention
             attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, weight.device, weight.dtype)
 
-    def forward(self, tokens, start_pos: Optional[int] = None, last_only: bool = False):
-        """tokens (B, T) -> float32 logits (B, T, vocab_size).
+    def drop_cache(self):
+        """Free the KV cache: forwards then process each sequence on its own again."""
+        for layer in self.layers:
+            layer.attention.cache = None
 
-        With start_pos=None the sequence is processed on its own and no cache is touched
-        (training, scoring). With start_pos=n the tokens sit at positions n..n+T-1, their
-        keys and values are stored in the cache, and earlier positions are read from it.
-        last_only=True returns the logits of the last position only, (B, 1, vocab_size):
-        all that sampling needs, without the output matmul over a whole prompt.
+    def forward(self, tokens, start_pos: int = 0, last_only: bool = False):
+        """tokens (B, T) at positions start_pos .. start_pos + T - 1 -> float32 logits (B, T, vocab_size).
+
+        Without a KV cache (training, scoring) the tokens are the whole sequence, so
+        start_pos is 0. After setup_cache their keys and values are stored in the cache and
+        earlier positions are read from it, as in Meta's code. last_only=True returns the
+        logits of the last position only, (B, 1, vocab_size): all that sampling needs,
+        without the output matmul over a whole prompt.
         """
         B, T = tokens.shape
-        pos = start_pos or 0
-        if pos + T > self.freqs_cos.shape[0]:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds max_seq_len {self.freqs_cos.shape[0]}")
-        if start_pos is not None and self.layers[0].attention.cache is None:
-            raise RuntimeError("call model.setup_cache(batch_size) before decoding with start_pos")
-        cos, sin = self.freqs_cos[pos : pos + T], self.freqs_sin[pos : pos + T]
+        if start_pos + T > self.args.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        if start_pos > 0 and self.layers[0].attention.cache is None:
+            raise RuntimeError("call model.setup_cache(batch_size) before decoding with start_pos > 0")
+        cos, sin = rope_cos_sin(self.args, start_pos, T, tokens.device)
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, start_pos)

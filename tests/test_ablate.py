@@ -44,7 +44,7 @@ def test_checkpoint_rebuilds_the_norm_it_was_saved_with(tmp_path, norm, layer_ty
     for p in model.parameters():  # non-trivial norm weights and biases, so loading them matters
         p.data.add_(0.1 * torch.randn_like(p))
     loaded = load_checkpoint(save_checkpoint(model, tmp_path / "ckpt"))
-    assert type(loaded.norm) is layer_type and type(loaded.layers[0].ffn_norm) is layer_type
+    assert all(isinstance(m, layer_type) for m in (loaded.norm, loaded.layers[0].ffn_norm))  # an RMSNorm may be the fused one
     if norm == "prmsnorm":
         assert loaded.norm.n_rms == 8  # ceil(32 * 0.25)
     tokens = torch.randint(0, 40, (2, 7))
@@ -59,7 +59,7 @@ def test_train_py_norm_flags_reach_the_model_and_its_checkpoint(tmp_path, data):
     config = json.loads((checkpoint / "config.json").read_text())["llama_mini"]
     assert (config["norm"], config["norm_p"]) == ("prmsnorm", 0.25)
     model = load_checkpoint(run)
-    assert isinstance(model.norm, RMSNorm) and model.norm.n_rms == 8 and model.norm.impl == "auto"
+    assert isinstance(model.norm, RMSNorm) and model.norm.n_rms == 8
 
 
 # --- Fairness: only the norm differs ------------------------------------------------------------

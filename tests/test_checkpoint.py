@@ -159,7 +159,9 @@ def test_context_length_defaults_to_4096_and_can_be_overridden(tmp_path):
     save_checkpoint(tiny_model(), tmp_path, format="meta")  # params.json states no context length
     assert load_checkpoint(tmp_path).args.max_seq_len == 4096
     model = load_checkpoint(tmp_path, max_seq_len=64)
-    assert model.args.max_seq_len == 64 and model.freqs_cos.shape[0] == 64
+    assert model.args.max_seq_len == 64
+    with pytest.raises(ValueError, match="exceeds max_seq_len 64"):
+        model(torch.zeros(1, 65, dtype=torch.long))
 
 
 @pytest.mark.parametrize("fmt", ["native", "meta", "hf"])

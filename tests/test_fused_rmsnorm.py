@@ -1,20 +1,27 @@
 """Fused RMSNorm: the same numbers as Meta's reference code, forward and backward.
 
-The reference path (impl="reference") is checked against hand computation in
-test_rmsnorm.py; here the fused kernel is checked against the reference, against float64
-truth, and by gradcheck. The kernel is built on first use (about 20 s) and cached.
+The reference RMSNorm is checked against hand computation in test_rmsnorm.py; here the
+fused kernel (llama_mini/kernels) is checked against the reference, against float64 truth,
+and by gradcheck. The kernel is built when a model first asks for it, and cached.
 """
 
 import ctypes
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from llama_mini import ModelArgs, RMSNorm, Transformer, fused_rmsnorm
+from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
+from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, rmsnorm_build
+from llama_mini.model import build_norm
 
 EPS = 1e-5
-KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RMSNormFunction>"  # csrc/rms_norm_op.cpp
+KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RMSNormFunction>"  # kernels/csrc/rms_norm_op.cpp
 
 requires_kernel = pytest.mark.skipif(
     fused_rmsnorm.cpu_kernel()[0] is None, reason=f"fused RMSNorm kernel unavailable: {fused_rmsnorm.cpu_kernel()[1]}"
@@ -24,10 +31,10 @@ requires_kernel = pytest.mark.skipif(
 def norm_pair(dim, p=1.0, dtype=torch.float32, seed=0):
     """A reference and a fused RMSNorm with the same non-trivial weight."""
     torch.manual_seed(seed)
-    reference = RMSNorm(dim, EPS, p=p, impl="reference")
+    reference = RMSNorm(dim, EPS, p=p)
     with torch.no_grad():
         reference.weight.uniform_(0.5, 2.0)
-    fused = RMSNorm(dim, EPS, p=p, impl="fused")
+    fused = FusedRMSNorm(dim, EPS, p=p, fallback=False)
     fused.load_state_dict(reference.state_dict())
     return reference.to(dtype), fused.to(dtype)
 
@@ -41,7 +48,7 @@ def output_and_grads(norm, x, dy):
 
 def float64_truth(norm, x, dy):
     """Output and gradients of the same arithmetic in float64 (no intermediate rounding)."""
-    truth = RMSNorm(x.shape[-1], EPS, p=norm.p, impl="reference").double()
+    truth = RMSNorm(x.shape[-1], EPS, p=norm.p).double()
     truth.weight.data.copy_(norm.weight.double())
     return output_and_grads(truth, x.double(), dy.double())
 
@@ -132,8 +139,30 @@ def test_empty_input_gives_empty_output_and_zero_weight_gradient():
 @requires_kernel
 def test_model_default_norm_is_auto_and_runs_the_kernel():
     model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32, norm="rmsnorm"))
-    assert model.norm.impl == "auto" and model.layers[0].attention_norm.impl == "auto"
+    assert type(model.norm) is FusedRMSNorm and type(model.layers[0].attention_norm) is FusedRMSNorm
     assert model.norm(torch.randn(2, 64)).grad_fn.name() == KERNEL_NODE
+
+
+@requires_kernel
+def test_loaded_checkpoint_runs_the_kernel_and_saves_no_implementation(tmp_path):
+    """Which implementation runs is chosen when a model is built, not stored with it."""
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=32, norm="prmsnorm", norm_p=0.25))
+    save_checkpoint(model, tmp_path)
+    assert "impl" not in (tmp_path / "config.json").read_text()
+    loaded = load_checkpoint(tmp_path)
+    assert type(loaded.norm) is FusedRMSNorm and loaded.norm.n_rms == 16
+    assert loaded.norm(torch.randn(2, 64)).grad_fn.name() == KERNEL_NODE
+
+
+def test_config_of_an_older_version_naming_an_implementation_still_loads(tmp_path):
+    """Older versions saved norm_impl in config.json; it is a runtime choice now."""
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=16), norm_impl="reference")
+    save_checkpoint(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["llama_mini"]["norm_impl"] = "reference"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    tokens = torch.randint(0, 16, (2, 5))
+    torch.testing.assert_close(load_checkpoint(tmp_path)(tokens), model.eval()(tokens), rtol=1e-5, atol=1e-5)
 
 
 @requires_kernel
@@ -141,7 +170,8 @@ def test_auto_model_equals_reference_model():
     torch.manual_seed(0)
     args = dict(dim=64, n_layers=2, n_heads=4, vocab_size=50, norm="prmsnorm", norm_p=0.25)
     auto = Transformer(ModelArgs(**args))
-    reference = Transformer(ModelArgs(**args, norm_impl="reference"))
+    reference = Transformer(ModelArgs(**args), norm_impl="reference")
+    assert type(reference.norm) is RMSNorm
     reference.load_state_dict(auto.state_dict())
     tokens = torch.randint(0, 50, (2, 12))
     torch.testing.assert_close(auto(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
@@ -157,56 +187,139 @@ def test_torch_compile_traces_the_reference_code_in_one_graph():
     torch.testing.assert_close(compiled(x), reference(x))
 
 
+NO_COMPILER = "no C++ compiler found (install g++ or set CXX)"
+
+
 @pytest.fixture
 def kernel_unavailable(monkeypatch):
-    monkeypatch.setattr(fused_rmsnorm, "cpu_kernel", lambda: (None, "no C++ compiler found (install g++ or set CXX)"))
-    fused_rmsnorm.notice_fallback.cache_clear()
+    monkeypatch.setattr(fused_rmsnorm, "cpu_kernel", lambda: (None, NO_COMPILER))
+    monkeypatch.setattr(fused_rmsnorm, "_cuda_fusable", lambda: False)
+    for cached in (fused_rmsnorm.notice_fallback, fused_rmsnorm.kernel_for):
+        cached.cache_clear()
     yield
-    fused_rmsnorm.notice_fallback.cache_clear()
+    for cached in (fused_rmsnorm.notice_fallback, fused_rmsnorm.kernel_for):
+        cached.cache_clear()
+
+
+def notices(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == fused_rmsnorm.__name__]
 
 
 def test_auto_falls_back_to_reference_with_one_notice(kernel_unavailable, caplog):
-    reference, _ = norm_pair(32)
-    auto = RMSNorm(32, EPS, impl="auto")
-    auto.load_state_dict(reference.state_dict())
-    x = torch.randn(4, 32)
-    with caplog.at_level(logging.WARNING, logger="llama_mini.fused_rmsnorm"):
-        assert torch.equal(auto(x), reference(x))
-        auto(x)
-    assert [r.getMessage() for r in caplog.records] == [
-        "llama_mini: fused RMSNorm unavailable (no C++ compiler found (install g++ or set CXX)); using the reference implementation"
-    ]
+    torch.manual_seed(0)
+    args = ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=50)
+    with caplog.at_level(logging.WARNING, logger=fused_rmsnorm.__name__):
+        auto = Transformer(args)  # five norms, chosen once each, one notice
+        reference = Transformer(args, norm_impl="reference")
+    assert all(type(m) is RMSNorm for m in (auto.norm, auto.layers[1].ffn_norm))
+    reference.load_state_dict(auto.state_dict())
+    tokens = torch.randint(0, 50, (2, 9))
+    assert torch.equal(auto(tokens), reference(tokens))
+    assert notices(caplog) == [f"llama_mini: fused RMSNorm unavailable ({NO_COMPILER}); using the reference implementation"]
 
 
 def test_fused_refuses_to_fall_back_silently(kernel_unavailable):
-    with pytest.raises(RuntimeError, match=r"impl='fused'\) cannot run here: no C\+\+ compiler"):
-        RMSNorm(32, impl="fused")(torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match=r"norm_impl 'fused' cannot run here: no C\+\+ compiler"):
+        build_norm(ModelArgs(dim=32, n_heads=4), "fused")
+
+
+@requires_kernel
+def test_tensors_no_kernel_takes_fall_back_with_one_notice_or_are_refused(caplog):
+    """float16 input with a bfloat16 weight has no kernel (csrc/rms_norm.h): the auto
+    module runs the reference code, the strict one refuses."""
+    reference, fused = norm_pair(32)
+    auto = FusedRMSNorm(32, EPS)
+    auto.load_state_dict(reference.state_dict())
+    x = torch.randn(3, 32, dtype=torch.float16)
+    reference, auto, fused = reference.bfloat16(), auto.bfloat16(), fused.bfloat16()
+    fused_rmsnorm.notice_fallback.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=fused_rmsnorm.__name__):
+        assert torch.equal(auto(x), reference(x))
+        auto(x)
+    assert notices(caplog) == [
+        "llama_mini: fused RMSNorm unavailable (no CPU kernel for torch.float16 input with torch.bfloat16 weight); using the reference implementation"
+    ]
+    with pytest.raises(RuntimeError, match="FusedRMSNorm cannot run here: no CPU kernel for torch.float16 input"):
+        fused(x)
 
 
 def test_unknown_impl_is_refused():
     with pytest.raises(ValueError, match="unknown norm_impl 'fast'"):
-        ModelArgs(norm_impl="fast")
+        Transformer(ModelArgs(dim=32, n_heads=4, vocab_size=8), norm_impl="fast")
 
 
 @requires_kernel
-def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkeypatch):
-    """Runs the real build command on a small source (the operator takes ~20 s to compile)."""
+def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkeypatch, capsys):
+    """Runs the real build command on a small source (the operator itself takes longer)."""
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 42; }\n')
-    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [small])
-    first = fused_rmsnorm.build()
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
+    first = rmsnorm_build.build()
     assert first.parent == tmp_path and ctypes.CDLL(str(first)).answer() == 42
+    assert capsys.readouterr().err == rmsnorm_build.BUILD_NOTICE + "\n"  # one line, before compiling
     mtime = first.stat().st_mtime_ns
-    assert fused_rmsnorm.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
+    assert rmsnorm_build.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
+    assert capsys.readouterr().err == ""  # loading from the cache is silent
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 43; }\n')
-    assert fused_rmsnorm.build() != first  # a changed source is a new binary
+    assert rmsnorm_build.build() != first  # a changed source is a new binary
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(fused_rmsnorm, "SOURCES", [bad])
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [bad])
     with pytest.raises(RuntimeError, match="failed on bad.cpp: .*error"):
-        fused_rmsnorm.build()
+        rmsnorm_build.build()
     assert len(list(tmp_path.glob("*.so"))) == 2 and not list(tmp_path.glob(".*"))  # no half-written binary left
+
+
+@requires_kernel
+def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path, monkeypatch):
+    monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
+    small = tmp_path / "small.cpp"
+    small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 7; }\n')
+    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    killed = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{int(finished.stdout)}"  # its process is gone
+    running = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{os.getpid()}"  # a build in progress
+    killed.write_bytes(b"half a binary")
+    running.write_bytes(b"half a binary")
+    rmsnorm_build.build()
+    assert not killed.exists() and running.exists()
+
+
+def test_import_loads_no_compiler_machinery_and_a_cached_kernel_loads_silently():
+    """import llama_mini never imports torch.utils.cpp_extension (nor setuptools, which
+    print on some machines); building a model with the cached kernel prints nothing."""
+    code = (
+        "import sys, llama_mini\n"
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools', 'llama_mini.kernels') if m in sys.modules))\n"
+        "llama_mini.Transformer(llama_mini.ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=8))\n"
+        "print('torch.utils.cpp_extension' in sys.modules)\n"
+    )
+    fused_rmsnorm.cpu_kernel()  # the kernel is in the cache (where it builds at all)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:2] == ["[]", "False"]
+    expected = "" if fused_rmsnorm.cpu_kernel()[0] else f"llama_mini: fused RMSNorm unavailable ({fused_rmsnorm.cpu_kernel()[1]}); using the reference implementation\n"
+    assert result.stderr == expected
+
+
+@pytest.mark.parametrize("importer", ["rmsnorm_build._torch_flags()", "import torch.utils.cpp_extension"])
+def test_compiling_keeps_cpp_extensions_import_time_notices_from_the_user(importer):
+    """A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
+    cpp_extension is imported; the build imports it without letting that through."""
+    code = (
+        "import os, torch\n"
+        "torch.cuda._is_compiled, torch.version.cuda = (lambda: True), '12.0'  # a CUDA build of torch\n"
+        "torch.cuda.is_available = lambda: False  # on a machine without a GPU\n"
+        "os.environ['CUDA_HOME'] = os.getcwd()\n"
+        f"from llama_mini.kernels import rmsnorm_build\n{importer}\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+    assert result.returncode == 0, result.stderr
+    if importer.startswith("import"):  # the notice this guards against, so the test can fail
+        assert "No CUDA runtime is found" in result.stderr
+    else:
+        assert result.stderr == ""
 
 
 @requires_kernel
@@ -222,7 +335,7 @@ def test_second_order_gradients_are_refused_not_silently_zero():
     x = torch.randn(4, 16, requires_grad=True)
     (dx,) = torch.autograd.grad(fused(x).pow(2).sum(), x, create_graph=False)
     assert dx.abs().sum() > 0
-    with pytest.raises(RuntimeError, match="cannot be differentiated again; use RMSNorm\\(impl='reference'\\)"):
+    with pytest.raises(RuntimeError, match="cannot be differentiated again; build the model with norm_impl='reference'"):
         torch.autograd.grad(fused(x).pow(2).sum(), x, create_graph=True)
 
 
@@ -243,10 +356,10 @@ def test_output_is_bitwise_meta_where_torch_summation_order_is_known(dtype):
 @pytest.mark.parametrize("fresh_output", [True, False])
 def test_large_outputs_written_by_streaming_stores_equal_the_reference(fresh_output):
     """Outputs of 32 MB and more are mapped in one call and written with streaming stores
-    (csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
+    (kernels/csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
     4099 puts most rows off the vector alignment, so the copy's head and tail run too."""
     kernel = fused_rmsnorm.cpu_kernel()[0]
-    library = ctypes.CDLL(str(fused_rmsnorm.library_path()))  # the loaded operator's own kernels, by their C ABI
+    library = ctypes.CDLL(str(rmsnorm_build.library_path()))  # the loaded operator's own kernels, by their C ABI
     rows, dim = 2048, 4099  # 33.6 MB of float32 per output
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)

@@ -7,7 +7,7 @@ import torch
 
 from llama_mini import ModelArgs, Transformer
 from llama_mini.hf import from_hf_state_dict, hf_config_from_args, permute_from_hf, permute_to_hf, to_hf_state_dict
-from llama_mini.model import ffn_hidden_dim
+from llama_mini.model import ffn_hidden_dim, rope_frequencies
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,8 +61,6 @@ def test_logits_match_transformers(name):
 
 @pytest.mark.parametrize("name", ["theta500k_ffnmult", "llama31_scaled_rope"])
 def test_rope_frequencies_match_transformers(name):
-    from llama_mini.model import rope_frequencies
-
     model = random_model(**CONFIGS[name])
     rotary = hf_twin(model).model.rotary_emb
     assert torch.allclose(rope_frequencies(model.args), rotary.inv_freq, rtol=1e-6, atol=0)
@@ -109,13 +107,33 @@ def test_prefill_then_decode_matches_full_forward(name):
     assert torch.allclose(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
 
 
-def test_full_forward_does_not_touch_cache():
+def test_cache_is_used_exactly_between_setup_cache_and_drop_cache():
+    """start_pos is only the position, as in Meta's code: whether keys and values are
+    cached depends on setup_cache alone, and start_pos=0 means the same either way."""
     model = random_model(**CONFIGS["mha"])
     tokens = torch.randint(0, model.args.vocab_size, (1, 8))
-    model.setup_cache(batch_size=1)
     with torch.no_grad():
-        model(tokens)
-    assert all(layer.attention.cache.k.abs().sum() == 0 for layer in model.layers)
+        plain = model(tokens)
+        assert all(layer.attention.cache is None for layer in model.layers)
+        model.setup_cache(batch_size=1)
+        assert all(layer.attention.cache.k.abs().sum() == 0 for layer in model.layers)
+        assert torch.equal(model(tokens, start_pos=0), plain)
+        assert all(layer.attention.cache.k[:, :, :8].abs().sum() > 0 for layer in model.layers)
+        model.drop_cache()
+        assert all(layer.attention.cache is None for layer in model.layers)
+        assert torch.equal(model(tokens), plain)
+    with pytest.raises(RuntimeError, match="call model.setup_cache"):
+        model(tokens[:, :1], start_pos=8)
+
+
+def rope_tables_seen(model, tokens, **kw) -> list:
+    """The cos tables the first attention layer receives in one forward."""
+    seen = []
+    hook = model.layers[0].attention.register_forward_pre_hook(lambda _, args: seen.append(args[1]))
+    with torch.no_grad():
+        model(tokens, **kw)
+    hook.remove()
+    return seen
 
 
 def test_cache_lives_on_model_device_and_dtype():
@@ -123,9 +141,25 @@ def test_cache_lives_on_model_device_and_dtype():
     model.setup_cache(batch_size=3, max_seq_len=16)
     cache = model.layers[0].attention.cache
     assert cache.k.dtype == torch.bfloat16 and cache.k.shape == (3, 2, 16, 8)
-    assert model.freqs_cos.dtype == torch.float32  # Meta rotates in float32 whatever the weights
+    (cos,) = rope_tables_seen(model, torch.zeros(3, 4, dtype=torch.long))
+    assert cos.dtype == torch.float32  # Meta rotates in float32 whatever the weights
     with torch.no_grad():
-        assert model(torch.zeros(3, 4, dtype=torch.long), start_pos=0).dtype == torch.float32
+        assert model(torch.zeros(3, 4, dtype=torch.long), start_pos=4).dtype == torch.float32
+
+
+def test_rope_tables_cover_the_positions_used_not_the_whole_context():
+    """A context of 250M positions (a hostile config) or 128K (Llama-3) allocates nothing
+    up front: each forward computes cos/sin for its own positions only."""
+    model = random_model(**CONFIGS["gqa"], max_seq_len=250_000_000)
+    assert not list(model.buffers())
+    tokens = torch.randint(0, model.args.vocab_size, (1, 5))
+    (cos,) = rope_tables_seen(model, tokens)
+    assert cos.shape == (5, model.args.head_dim // 2)
+    model.setup_cache(batch_size=1, max_seq_len=20)
+    (later,) = rope_tables_seen(model, tokens[:, :3], start_pos=5)
+    assert later.shape == (3, model.args.head_dim // 2)
+    freqs = rope_frequencies(model.args)
+    assert torch.equal(later, torch.outer(torch.arange(5.0, 8.0), freqs).cos())  # positions 5, 6, 7
 
 
 @pytest.mark.parametrize(

@@ -84,15 +84,15 @@ template <typename T> inline acc_t<T> square(const T* x, int64_t i) {
 // plain store first reads the line it writes into cache, a third stream of memory traffic
 // beside the read of x and the write of y. But a fresh allocation that large is a fresh
 // mapping from the OS, whose pages fault on first touch and are zeroed by the kernel, and
-// streaming into those measured 1.5x slower than plain stores. So each thread first maps
-// its part of the output in one call (MADV_POPULATE_WRITE, Linux 5.14+; 17 ms for 64 MB
-// here, against 22 ms of page faults), then streams; where that call fails (an older
-// kernel) it stores plainly. Rows are computed into a buffer in L1 and copied out
-// unchanged, so results never depend on any of this.
+// streaming into such pages is slower than plain stores. So each thread first maps its part
+// of the output in one call (MADV_POPULATE_WRITE, Linux 5.14+), which costs less than the
+// page faults, then streams; where that call fails (an older kernel) it stores plainly.
+// Rows are computed into a buffer in L1 and copied out unchanged, so results never depend
+// on any of this.
 //
-// Streaming pays only past the caches: against nn.LayerNorm at hidden 4096 it lost at 8 MB
-// outputs (1.2-1.3x), was mixed at 16 MB and won from 32 MB (0.7-0.9x, with fresh or reused
-// memory alike). Elsewhere (not x86, not Linux) outputs are written with plain stores.
+// Streaming pays only for outputs well past the last-level cache; below the threshold it
+// loses to plain stores (measurements in docs/norm_speed.md). Elsewhere (not x86, not
+// Linux) outputs are written with plain stores.
 constexpr int64_t LARGE_OUTPUT_BYTES = int64_t(32) << 20;
 #if defined(__SSE2__) && defined(__linux__)
 constexpr bool CAN_STREAM = true;

@@ -1,11 +1,12 @@
 // The torch operator llama_mini::rms_norm(x, weight, eps, n_rms, vector_bytes): the kernels
 // of rms_norm.cpp with their autograd node, all in C++.
 //
-// Why not a torch.autograd.Function in Python around a ctypes call: inside a model that
-// cost ~25 us per norm and per direction (the interpreter's data is cold after the matmuls),
-// enough to make a small RMSNorm model's training step 1% slower than nn.LayerNorm's, whose
-// dispatch and autograd node are C++. Registered through the dispatcher, the fused norm
-// pays what LayerNorm pays: one operator call forward, one C++ node backward.
+// Why not a torch.autograd.Function in Python around a ctypes call: inside a model the
+// interpreter's work per norm and per direction (its data cold in cache after the matmuls)
+// made a small RMSNorm model's training step measurably slower than nn.LayerNorm's, whose
+// dispatch and autograd node are C++ (docs/norm_step_speed.md). Registered through the
+// dispatcher, the fused norm pays what LayerNorm pays: one operator call forward, one C++
+// node backward.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -86,7 +87,7 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
         // The gradients are written by the kernel, outside autograd: differentiating them
         // again (create_graph=True) would silently give zero.
         TORCH_CHECK(!at::GradMode::is_enabled(), "llama_mini::rms_norm: the fused backward cannot be "
-                    "differentiated again; use RMSNorm(impl='reference') for higher-order gradients");
+                    "differentiated again; build the model with norm_impl='reference' for higher-order gradients");
         const variable_list saved = ctx->get_saved_variables();
         const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
         const at::Tensor dy = grads[0].contiguous();

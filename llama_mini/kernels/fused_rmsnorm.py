@@ -1,0 +1,200 @@
+"""Fused RMSNorm: Meta's arithmetic in one pass over memory, forward and backward.
+
+Meta's eager RMSNorm launches a kernel per operation (float, pow, mean, add, rsqrt, mul,
+type_as, mul), each reading and writing the whole activation, and autograd replays as many
+in backward: on CPU it is several times slower than torch's fused nn.LayerNorm (figures in
+docs/norm_speed.md), which turns the RMSNorm paper's speed claim upside down. FusedRMSNorm
+gives RMSNorm a kernel at least as fused as LayerNorm's, so the ablation compares like with
+like:
+
+- CPU: the torch operator `llama_mini::rms_norm` (`csrc/rms_norm_op.cpp`, with its autograd
+  node in C++) over the kernels of `csrc/rms_norm.cpp`. Compiled when a model first asks for
+  it, once per machine, source and torch version (rmsnorm_build.py), and loaded with
+  torch.ops.load_library.
+- CUDA: Meta's formula under torch.compile; Inductor emits one Triton kernel each way.
+  (Not measured: no GPU was available when this was written.)
+
+The CPU forward pass is Meta's result bit for bit: it rounds where Meta's code rounds
+(x * rstd to the input dtype, then the product with the weight) and adds the squares in the
+order torch's sum kernel does (CpuKernel.calibrate checks this at load time; where the order
+cannot be matched the statistic may differ in its last float32 bit). The backward pass keeps
+float32 throughout and rounds each gradient once, so it is at least as accurate as
+autograd's op-by-op chain.
+"""
+
+import functools
+import logging
+import subprocess
+
+import torch
+
+from ..model import RMSNorm
+from .rmsnorm_build import build
+
+# (input dtype, weight dtype) pairs the CPU kernel implements (csrc/rms_norm.h); the output
+# dtype is their promotion, as in Meta's `type_as(x) * weight`. Other pairs use the reference.
+CPU_DTYPES = {
+    (torch.float32, torch.float32),
+    (torch.float64, torch.float64),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+}
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm_eager(x, weight, eps: float, n_rms: int):
+    """Meta's RMSNorm as one function (RMSNorm.forward, with the partial prefix): what
+    Inductor fuses on CUDA, and what the CPU kernel is checked against when loaded."""
+    xf = x if x.dtype == torch.float64 else x.float()
+    x_rms = xf if n_rms == x.shape[-1] else xf[..., :n_rms]
+    return (xf * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+# --- The module --------------------------------------------------------------------------------
+
+
+class FusedRMSNorm(RMSNorm):
+    """RMSNorm computed by a fused kernel: RMSNorm's numbers, in one pass over memory.
+
+    Tensors no kernel takes (another device, another dtype pair) run RMSNorm's own code,
+    after one notice per process, or raise with fallback=False. Under torch.compile RMSNorm's
+    code is traced instead: Inductor fuses it by itself, and an opaque operator would break
+    the graph.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0, fallback: bool = True):
+        super().__init__(dim, eps, p)
+        self.fallback = fallback
+
+    def forward(self, x):
+        if torch.compiler.is_compiling():
+            return super().forward(x)
+        kernel, reason = kernel_for(x.device.type, x.dtype, self.weight.dtype)
+        if kernel is not None:
+            return kernel(x, self.weight, self.eps, self.n_rms)
+        if not self.fallback:
+            raise RuntimeError(f"FusedRMSNorm cannot run here: {reason}; build the model with norm_impl='auto' to fall back")
+        notice_fallback(reason)
+        return super().forward(x)
+
+
+def fused_rms_norm(dim: int, eps: float, p: float = 1.0, fallback: bool = True) -> RMSNorm:
+    """build_norm's RMSNorm when a fused one is asked for.
+
+    The CPU kernel is compiled (once per machine) or loaded here, when the model is built,
+    so a one-time build comes before any training starts. Where no fused kernel can run,
+    fallback=True (norm_impl "auto") gives the reference RMSNorm after one notice, and
+    fallback=False ("fused") raises.
+    """
+    reason = cpu_kernel()[1]
+    if reason is None or _cuda_fusable():
+        return FusedRMSNorm(dim, eps, p, fallback)
+    if not fallback:
+        raise RuntimeError(f"norm_impl 'fused' cannot run here: {reason}; use norm_impl 'auto' to fall back to the reference")
+    notice_fallback(reason)
+    return RMSNorm(dim, eps, p)
+
+
+@functools.cache
+def kernel_for(device_type: str, x_dtype: torch.dtype, weight_dtype: torch.dtype):
+    """(the fused function for such tensors, None), or (None, why there is none)."""
+    if device_type == "cpu":
+        if (x_dtype, weight_dtype) not in CPU_DTYPES:
+            return None, f"no CPU kernel for {x_dtype} input with {weight_dtype} weight"
+        return cpu_kernel()
+    if device_type == "cuda":
+        return (_compiled_eager(), None) if _cuda_fusable() else (None, "torch.compile needs Triton on CUDA")
+    return None, f"no fused kernel for device {device_type}"
+
+
+@functools.cache
+def notice_fallback(reason: str) -> None:
+    """Say once per process (per reason) that the reference code runs instead of the kernel."""
+    log.warning("llama_mini: fused RMSNorm unavailable (%s); using the reference implementation", reason)
+
+
+@functools.cache
+def _compiled_eager():
+    return torch.compile(rms_norm_eager, dynamic=None)
+
+
+def _cuda_fusable() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
+# --- Loading the CPU kernel ------------------------------------------------------------------
+
+
+@functools.cache
+def cpu_kernel():
+    """The loaded and self-checked CPU kernel as (CpuKernel, None), or (None, why not).
+
+    Loaded after torch, so the kernel's OpenMP calls bind to the libgomp torch already
+    holds and both share one thread pool. Cached: at most one build and one load per
+    process (an operator's name can be registered with torch only once).
+    """
+    try:
+        # A model built on the meta device (load_checkpoint) asks for the kernel too, and
+        # the checks below need real tensors; the first use may also be inside no_grad.
+        with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
+            torch.ops.load_library(str(build()))
+            kernel = CpuKernel()
+            kernel.calibrate()
+            _self_check(kernel)
+        return kernel, None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, (str(e).splitlines() or [type(e).__name__])[0]
+
+
+class CpuKernel:
+    """The loaded operator, with the summation width that reproduces torch's mean."""
+
+    def __init__(self):
+        self.op = torch.ops.llama_mini.rms_norm.default
+        # Width of the vectors torch's CPU sum kernel adds with. It is not always the CPU's
+        # widest (torch runs its sum with 32-byte vectors on AVX-512 machines), so
+        # calibrate() measures it rather than guessing from the CPU.
+        self.vector_bytes = 32
+        self.bitwise_meta = False  # whether calibrate() found torch's exact summation order
+
+    def __call__(self, x, weight, eps: float, n_rms: int):
+        """RMSNorm of x (any shape and strides) with autograd, as Meta's formula computes it."""
+        return self.op(x, weight, eps, n_rms, self.vector_bytes)
+
+    def calibrate(self) -> None:
+        """Pick the vector width at which the forward pass equals Meta's code bit for bit,
+        on rows of widely spread magnitudes where any other summation order would show."""
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(16, 203, generator=g) * torch.exp2(torch.randint(-8, 8, (16, 203), generator=g).float())
+        w = torch.ones(203)
+        expected = rms_norm_eager(x, w, 1e-5, 203)
+        for self.vector_bytes in (32, 64, 16, 8, 4):
+            if torch.equal(self(x, w, 1e-5, 203), expected):
+                self.bitwise_meta = True
+                return
+        self.vector_bytes = 32  # no exact match: still within float32 rounding of Meta's
+        log.debug("fused RMSNorm: no vector width reproduces torch's summation order")
+
+
+def _self_check(kernel: CpuKernel) -> None:
+    """Refuse a kernel that compiled but computes something else (a miscompile, an
+    ABI surprise): one small forward and backward against the eager formula."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 48, generator=g, requires_grad=True)
+    w = (torch.rand(48, generator=g) + 0.5).requires_grad_()
+    dy = torch.randn(5, 48, generator=g)
+    for n_rms in (48, 7):
+        expected = rms_norm_eager(x, w, 1e-5, n_rms)
+        ex_dx, ex_dw = torch.autograd.grad(expected, (x, w), dy)
+        got = kernel(x, w, 1e-5, n_rms)
+        dx, dw = torch.autograd.grad(got, (x, w), dy)
+        for a, b in ((got, expected), (dx, ex_dx), (dw, ex_dw)):
+            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
+                raise RuntimeError("the compiled kernel disagrees with the reference formula")
