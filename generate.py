@@ -23,7 +23,8 @@ from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stre
 from llama_mini.tokenizer import Tokenizer
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
-# A context beyond any model's (Llama-3.1: 131,072 tokens) is a typo, not a wish.
+# RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
+# is 131,072 tokens) is a typo, not a wish.
 MAX_CONTEXT = 1 << 24
 
 

@@ -50,14 +50,19 @@ def test_system_prompt_sends_metas_llama3_dialog(hf_llama3, tokenizer, monkeypat
 
 
 def test_the_context_is_the_checkpoints_and_the_cache_holds_only_the_tokens_used(hf_llama3, tokenizer, monkeypatch, capsys):
-    cli, caches, models = load_cli(), [], []
+    cli, contexts, cache_shapes = load_cli(), [], []
     setup_cache = Transformer.setup_cache
-    monkeypatch.setattr(Transformer, "setup_cache", lambda self, *a: caches.append(a) or models.append(self) or setup_cache(self, *a))
+
+    def recording_setup_cache(self, *args):
+        setup_cache(self, *args)
+        contexts.append(self.args.max_seq_len)
+        cache_shapes.append(tuple(self.layers[0].attention.cache.k.shape))
+
+    monkeypatch.setattr(Transformer, "setup_cache", recording_setup_cache)
     cli.main(["--ckpt", str(hf_llama3), "--prompt", "Hello there", "--max-new-tokens", "5", "--temperature", "0"])
-    assert models[0].args.max_seq_len == 131072  # max_position_embeddings
     prompt = tokenizer.encode("Hello there")
-    assert caches == [(1, len(prompt) + 5)]
-    assert models[0].layers[0].attention.cache.k.shape[2] == len(prompt) + 5
+    assert contexts == [131072]  # max_position_embeddings
+    assert cache_shapes == [(1, 2, len(prompt) + 5, 8)]  # batch, KV heads, positions, head dim
     new = generate(load_checkpoint(hf_llama3), [prompt], 5, temperature=0, eos_id=tokenizer.stop_ids)[0]
     assert capsys.readouterr().out == "Hello there" + tokenizer.decode(new) + "\n"
 
