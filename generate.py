@@ -139,8 +139,6 @@ def main(argv=None) -> None:
     if args.prompt_file is not None:  # read before the model: a bad file fails fast
         text = utf8_text(Path(args.prompt_file).read_bytes(), args.prompt_file)
     device = pick_device(args.device)
-    if device.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"--device {args.device}: generate.py runs on cpu, cuda or mps")
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)
     tokenizer = open_tokenizer(ckpt, args.tokenizer)
