@@ -95,13 +95,22 @@ def detect_format(path) -> str:
     )
 
 
+# Where a checkpoint's tokenizer lives: ours and Meta's beside the weights; Meta's HF repos
+# of Llama-3 keep Meta's tiktoken file in original/; llama2.c's is tokenizer.bin; failing
+# those, Hugging Face's own tokenizer.json.
+TOKENIZER_NAMES = (TOKENIZER, "original/" + TOKENIZER, "tokenizer.bin", "tokenizer.json")
+
+
 def find_tokenizer(path):
-    """tokenizer.model in the checkpoint folder, or in its parent (Meta's downloads keep one
-    tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); for a llama2.c file, in its
-    folder (tokenizer.model, else llama2.c's tokenizer.bin); None if there is none."""
+    """The tokenizer in the checkpoint folder, or in its parent (Meta's downloads keep one
+    tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); for a llama2.c file, in the
+    folder that holds it; None if there is none."""
     path = resolve_run_folder(path)
-    candidates = [path.parent / TOKENIZER, path.parent / "tokenizer.bin"] if path.is_file() else [path / TOKENIZER, path.parent / TOKENIZER]
-    return next((file for file in candidates if file.is_file()), None)
+    for folder in (path.parent,) if path.is_file() else (path, path.parent):
+        for name in TOKENIZER_NAMES:
+            if (folder / name).is_file():
+                return folder / name
+    return None
 
 
 def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None) -> Transformer:

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from llama2c_files import export  # llama2.c's export.py layout
 from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.checkpoint import detect_format, meta_params
 
@@ -118,8 +119,6 @@ def sources(tmp_path_factory):
     model = tiny_model(tie_embeddings=True, rope_theta=5e5)
     for fmt in ("native", "meta", "hf"):
         save_checkpoint(model, root / fmt, format=fmt)
-    from test_llama2c import export  # llama2.c's export.py layout
-
     export(model, root / "stories.bin", 0)
     return model, root
 

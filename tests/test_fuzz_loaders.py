@@ -98,7 +98,7 @@ def write_base_checkpoints(root: Path) -> Path:
     for fmt in ("native", "meta", "hf"):
         save_checkpoint(model, root / fmt, format=fmt)
     save_checkpoint(model, root / "hf-sharded", format="hf", max_shard_bytes=4000)
-    from test_llama2c import export  # llama2.c's export.py layout
+    from llama2c_files import export  # llama2.c's export.py layout
 
     for version in (0, 1, 2):
         (root / f"llama2c-v{version}").mkdir()

@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from llama2c_files import export  # llama2.c's export.py layout
 import llama_mini
 from llama_mini import ModelArgs, Transformer
 from llama_mini.checkpoint import save_checkpoint
@@ -184,8 +185,6 @@ BAD_LLAMA2C_FILES = {
 
 @pytest.mark.parametrize("case", BAD_LLAMA2C_FILES)
 def test_bad_llama2c_file_is_refused_in_one_line(files, tmp_path, case):
-    from test_llama2c import export  # llama2.c's export.py layout
-
     damage, fragment = BAD_LLAMA2C_FILES[case]
     export(llama_mini.load_checkpoint(files / "native"), tmp_path / "model.bin", 0)
     shutil.copy(files / "native" / "tokenizer.model", tmp_path)

@@ -1,8 +1,8 @@
 """llama2.c's files load as they are: the .bin export (v0, v1, v2) and the training ckpt.pt.
 
 The files are written by a small writer that follows llama2.c's export.py (legacy_export,
-version1_export, version2_export with quantize_q80) and train.py's checkpoint dict, line by
-line, independently of the reader. The known answer is the model that was exported: its
+version1_export, version2_export with quantize_q80; tests/llama2c_files.py) and train.py's
+checkpoint dict, line by line, independently of the reader. The known answer is the model that was exported: its
 weights, and its logits.
 """
 
@@ -18,6 +18,7 @@ import torch
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
 from llama_mini.checkpoint import detect_format
 from llama_mini.tokenizer import Tokenizer
+from llama2c_files import export, quantize_q80
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3))
@@ -33,80 +34,6 @@ def llama2c_model(shared=True, seed=0, n_kv_heads=2):
             if name.endswith("norm.weight"):
                 p.uniform_(0.5, 1.5)
     return model
-
-
-# --- A writer following llama2.c's export.py ------------------------------------------------------
-
-
-def fp32(tensor) -> bytes:
-    d = tensor.detach().reshape(-1).to(torch.float32).tolist()
-    return struct.pack(f"{len(d)}f", *d)
-
-
-def int8(tensor) -> bytes:
-    d = tensor.detach().reshape(-1).tolist()
-    return struct.pack(f"{len(d)}b", *d)
-
-
-def quantize_q80(w, group_size):
-    """export.py's quantize_q80: symmetric int8 per group of group_size, scale = max|w| / 127."""
-    w = w.float().reshape(-1, group_size)
-    scale = torch.abs(w).max(dim=1).values / 127.0
-    return torch.round(w / scale[:, None]).to(torch.int8), scale
-
-
-def header7(model, vocab_size):
-    p = model.args
-    hidden_dim = model.layers[0].feed_forward.w1.weight.shape[0]
-    return struct.pack("iiiiiii", p.dim, hidden_dim, p.n_layers, p.n_heads, p.n_kv_heads, vocab_size, p.max_seq_len)
-
-
-def export(model, path, version, group_size=64):
-    """Write model as llama2.c's export.py writes .bin version `version`."""
-    layers = model.layers
-    shared = torch.equal(model.tok_embeddings.weight, model.output.weight)
-    out = bytearray()
-    if version == 0:  # legacy_export: negative vocab_size flags an unshared classifier
-        out += header7(model, model.args.vocab_size if shared else -model.args.vocab_size)
-        out += fp32(model.tok_embeddings.weight)
-        for get in (lambda l: l.attention_norm.weight, lambda l: l.attention.wq.weight, lambda l: l.attention.wk.weight,
-                    lambda l: l.attention.wv.weight, lambda l: l.attention.wo.weight, lambda l: l.ffn_norm.weight,
-                    lambda l: l.feed_forward.w1.weight, lambda l: l.feed_forward.w2.weight, lambda l: l.feed_forward.w3.weight):
-            for layer in layers:
-                out += fp32(get(layer))
-        out += fp32(model.norm.weight)
-        head_dim, seq = model.args.head_dim, model.args.max_seq_len  # llama2.c's precompute_freqs_cis
-        freqs = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-        angles = torch.outer(torch.arange(seq), freqs).float()
-        out += fp32(torch.cos(angles)) + fp32(torch.sin(angles))
-        if not shared:
-            out += fp32(model.output.weight)
-        path.write_bytes(bytes(out))
-        return
-    out += struct.pack("I", 0x616B3432) + struct.pack("i", version) + header7(model, model.args.vocab_size)
-    out += struct.pack("B", int(shared))
-    if version == 2:
-        while model.args.dim % group_size != 0:
-            group_size //= 2
-        out += struct.pack("i", group_size)
-    out += b"\0" * (256 - len(out))
-    norms = [*[l.attention_norm.weight for l in layers], *[l.ffn_norm.weight for l in layers], model.norm.weight]
-    matrices = [model.tok_embeddings.weight, *[l.attention.wq.weight for l in layers], *[l.attention.wk.weight for l in layers],
-                *[l.attention.wv.weight for l in layers], *[l.attention.wo.weight for l in layers],
-                *[l.feed_forward.w1.weight for l in layers], *[l.feed_forward.w2.weight for l in layers],
-                *[l.feed_forward.w3.weight for l in layers]]
-    if not shared:
-        matrices.append(model.output.weight)
-    if version == 1:
-        for w in (*norms, *matrices):
-            out += fp32(w)
-    else:
-        for w in norms:
-            out += fp32(w)
-        for w in matrices:
-            q, s = quantize_q80(w, group_size)
-            out += int8(q) + fp32(s)
-    path.write_bytes(bytes(out))
 
 
 def dequantized(model, group_size=64):
