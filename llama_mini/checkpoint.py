@@ -4,7 +4,8 @@ Five formats, told apart by detect_format:
 - native: our own folder, config.json ({"llama_mini": ModelArgs}) + model.safetensors and,
   when known, the tokenizer.model it was trained with. A training run folder holds one such
   folder per saved step and a `latest` file naming the newest complete one.
-- meta: Meta's download, params.json + consolidated.NN.pth, one file per model-parallel rank.
+- meta: Meta's download, params.json + consolidated.NN.pth, one file per model-parallel rank
+  (merged and split in llama_mini/meta_shards.py).
 - hf: a Hugging Face LlamaForCausalLM folder, config.json + model*.safetensors (one file, or
   shards listed in model.safetensors.index.json) or pytorch_model*.bin.
 - llama2c-bin, llama2c-pt: llama2.c's exported .bin and its training ckpt.pt, single files
@@ -33,6 +34,7 @@ from .checkpoint_files import inside, is_torch_file, read_json, read_safetensors
 from .config_check import brief, check_fields, model_args
 from .files import atomic_write
 from .hf import CONFIG_TYPES, args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
+from .meta_shards import merge_meta_shards, split_meta_shards
 from .model import ModelArgs, Transformer, ffn_hidden_dim
 from .state_dict import build_model, check_layer_count, check_shape, tie_equal_heads
 from .tokenizer import Tokenizer
@@ -46,11 +48,6 @@ HF_MAX_SHARD_BYTES = 5 * 10**9
 META_PARAMS = "params.json"
 FORMATS = ("native", "meta", "hf")  # the formats save_checkpoint writes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # for --dtype
-
-# Meta's model-parallel layers: ColumnParallelLinear splits its output features (dim 0),
-# RowParallelLinear and ParallelEmbedding split their input / embedding features (dim 1).
-# 1-D tensors (the norm weights) are replicated on every rank.
-_META_SHARD_DIM = {"wq": 0, "wk": 0, "wv": 0, "w1": 0, "w3": 0, "output": 0, "wo": 1, "w2": 1, "tok_embeddings": 1}
 
 
 # --- Reading -------------------------------------------------------------------------------
@@ -228,47 +225,6 @@ def _hf_weight_files(path: Path) -> list[Path]:
         if (path / single).is_file():
             return [path / single]
     raise FileNotFoundError(f"{path} has a config.json but no {WEIGHTS}, sharded safetensors index or pytorch_model.bin")
-
-
-def merge_meta_shards(shards: list[dict]) -> dict:
-    """Meta's model-parallel shards -> one state dict; rope.freqs is dropped (we recompute it).
-
-    A single shard is returned as it is, so its memory-mapped tensors are never copied.
-    """
-    for rank, shard in enumerate(shards[1:], start=1):
-        if shard.keys() != shards[0].keys():
-            extra = sorted(shard.keys() ^ shards[0].keys())[:3]
-            raise ValueError(f"model-parallel shards 00 and {rank:02d} hold different tensors ({extra}); download them again")
-    merged = {}
-    for key, first in shards[0].items():
-        if key == "rope.freqs":
-            continue
-        parts = [shard[key] for shard in shards]
-        if len(shards) > 1 and any(p.shape != first.shape for p in parts):
-            shapes = ", ".join(str(tuple(p.shape)) for p in parts)
-            raise ValueError(f"tensor {key} has different shapes in the model-parallel shards ({shapes}); download them again")
-        if len(shards) == 1 or first.dim() == 1:
-            merged[key] = first
-        elif first.dim() == 2:
-            merged[key] = torch.cat(parts, dim=_meta_shard_dim(key))
-        else:
-            raise ValueError(f"tensor {key} has {first.dim()} dimensions; a Meta Llama checkpoint holds matrices and vectors")
-    return merged
-
-
-def split_meta_shards(state: dict, n: int) -> list[dict]:
-    """Inverse of merge_meta_shards: the state dict of each of n model-parallel ranks."""
-    return [
-        {key: (t if t.dim() == 1 else t.chunk(n, dim=_meta_shard_dim(key))[rank]).clone() for key, t in state.items()}
-        for rank in range(n)
-    ]
-
-
-def _meta_shard_dim(key: str) -> int:
-    name = key.split(".")[-2]  # layers.0.attention.wq.weight -> wq; output.weight -> output
-    if name not in _META_SHARD_DIM:
-        raise ValueError(f"tensor {key} is not part of a Meta Llama checkpoint")
-    return _META_SHARD_DIM[name]
 
 
 # --- Writing -------------------------------------------------------------------------------
