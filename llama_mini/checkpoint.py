@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 from .files import atomic_write
 from .hf import args_from_hf_config, from_hf_state_dict, hf_config_from_args, to_hf_state_dict
 from .model import ModelArgs, Transformer, ffn_hidden_dim
+from .quantize import empty_quantized_model, prepare_quantized, quantize_model, read_quantization
 from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
@@ -83,25 +84,35 @@ def find_tokenizer(path):
     return None
 
 
-def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None) -> Transformer:
+def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None) -> Transformer:
     """Load a checkpoint folder of any supported format. dtype=None keeps the stored dtype.
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
-    is looked for next to the checkpoint when not given.
+    is looked for next to the checkpoint when not given. quantize ("int8" or "int4", see
+    llama_mini/quantize.py) stores the linear layers' weights as integers once loaded; a
+    checkpoint saved quantized loads quantized without it.
     """
     path = resolve_run_folder(path)
-    read = {"native": _read_native, "meta": _read_meta, "hf": _read_hf}[detect_format(path)]
+    fmt = detect_format(path)
+    read = {"native": _read_native, "meta": _read_meta, "hf": _read_hf}[fmt]
     args, state = read(path, tokenizer_path)
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
-    return build_model(args, state, device=device, dtype=dtype)
+    config = _read_json(path / CONFIG) if fmt == "native" else {}
+    stored = read_quantization(config["quantization"], path / CONFIG) if "quantization" in config else None
+    if stored is not None and quantize not in (None, stored["method"]):
+        raise ValueError(f"{path} is already quantized to {stored['method']}; load it without quantize, "
+                         f"or quantize its full-precision source to {quantize}")
+    model = build_model(args, state, device=device, dtype=dtype, quantization=stored)
+    return quantize_model(model, quantize) if quantize is not None and stored is None else model
 
 
-def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transformer:
-    """A Transformer holding exactly the tensors of state, checked by name and shape."""
+def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
+    """A Transformer holding exactly the tensors of state, checked by name and shape.
+    quantization (a stored record) builds the quantized layers the state holds instead."""
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args) if quantization is None else empty_quantized_model(args, quantization)
     expected = model.state_dict()
     missing = expected.keys() - state.keys()
     unexpected = state.keys() - expected.keys()
@@ -113,7 +124,8 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    return model if quantization is None else prepare_quantized(model)
 
 
 def _read_native(path: Path, tokenizer_path=None):
@@ -281,6 +293,8 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
         raise ValueError(f"only the meta format is split into model-parallel shards, not {format!r}")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    if getattr(model, "quantization", None) and format != "native":
+        raise ValueError(f"a quantized model is saved in the native format only, not {format!r}; convert its full-precision source")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if format == "native":
@@ -300,6 +314,8 @@ def _write_native(model: Transformer, path: Path) -> None:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
     atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {"llama_mini": dataclasses.asdict(model.args)}
+    if getattr(model, "quantization", None):
+        config["quantization"] = model.quantization
     atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
 
 
