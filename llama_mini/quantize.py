@@ -208,6 +208,12 @@ def prepare_quantized(model: Transformer) -> Transformer:
     return model
 
 
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters, counting each quantized weight once (they are buffers, not parameters)."""
+    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    return quantized + sum(p.numel() for p in model.parameters())
+
+
 def check_method(method: str) -> None:
     if method not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")

@@ -165,6 +165,20 @@ def test_every_linear_is_quantized_the_head_to_int8_and_the_embedding_kept(train
     assert linears == [] and sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * model.args.n_layers
 
 
+def test_generate_cli_quantizes_at_load_and_decodes_what_the_quantized_model_does(trained):
+    run, _ = trained
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(run), "--quantize", "int4", "--prompt",
+                             "Once upon a time", "--max-new-tokens", "30", "--temperature", "0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer(run / "tokenizer.model")
+    prompt = tokenizer.encode("Once upon a time")
+    new = generate(load_checkpoint(run, quantize="int4"), [prompt], 30, temperature=0, eos_id=tokenizer.eos_id)[0]
+    assert result.stdout == tokenizer.decode(prompt + new) + "\n"
+    # 2.16M trained, plus the head's own 2048 x 192 int8 copy of the tied embedding
+    assert "2.6M parameters, torch.float32 with int4 weights" in result.stderr
+
+
 # --- Quantized checkpoints ------------------------------------------------------------------
 
 
