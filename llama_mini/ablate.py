@@ -10,9 +10,8 @@ fused kernel where it runs (build_norm's default, "auto"), as LayerNorm uses tor
 The variants are built in a random order and train round-robin in one process: each takes
 one optimizer step in turn, in a fresh random order each round, and is timed over its own
 steps only. A burst of load from elsewhere on the machine then falls on all variants
-alike, and no variant always runs first or always follows the same one (in a fixed order,
-runs' speeds followed their position in the round: the three RMSNorm runs, 1st, 2nd and
-3rd each round, made 5.87, 5.90 and 5.94 steps/s). Evaluation is not timed.
+alike, and no variant always runs first or always follows the same one: in a fixed order,
+runs' speeds followed their position in the round (docs/ablation.md). Evaluation is not timed.
 
 Writes to --out: report.md (final validation loss, mean and sd over seeds; tokens/s;
 steps/s; training time to reach a target loss; parameter count), metrics.csv (every step
@@ -34,12 +33,15 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from .cli import run_main
+from .files import atomic_write
 from .model import NORMS
-from .training import NonFiniteLoss, TrainConfig, Trainer
+from .plots import Curve, plot_curves
+from .train_config import TrainConfig, add_arguments
+from .training import NonFiniteLoss, Trainer
 
-# Defaults sized so that rmsnorm, layernorm and none with 3 seeds (9 runs) finish within
-# 15 minutes on two CPU cores (7.6 measured when idle, 14.5 when shared with other jobs):
-# a model a little smaller than train.py's.
+# A model a little smaller than train.py's, so that the default ablation (three norms, three
+# seeds: nine runs) fits in a coffee break on a laptop's CPU; docs/ablation.md has the times.
 DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, batch_size=16, seq_len=128, max_steps=300, warmup_steps=30, eval_every=25, eval_iters=5)
 
 
@@ -78,7 +80,7 @@ class Run:
 def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Optional[float] = None) -> Path:
     """Train every norm with every seed round-robin; write the report into out; return it."""
     out.mkdir(parents=True, exist_ok=True)
-    # Where a model's tensors land in memory moves its step time by a percent or two
+    # Where a model's tensors land in memory moves its step time measurably
     # (bench/norm_step_speed.py), and the order of building decides where they land:
     # build each seed's variants in a random order, so no norm is always built first.
     rng, built = random.Random(cfg.seed), {}
@@ -95,7 +97,7 @@ def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Op
     for run in runs:
         run.evaluate()
     order = list(runs)  # each run has its own RNGs: the order changes no number
-    with tqdm(total=cfg.max_steps * len(runs), unit="step", dynamic_ncols=True) as bar:
+    with tqdm(total=cfg.max_steps * len(runs), unit="step", dynamic_ncols=True, disable=None) as bar:  # terminals only
         for step in range(1, cfg.max_steps + 1):
             rng.shuffle(order)
             for run in order:
@@ -189,15 +191,18 @@ def table(rows: list) -> str:
 
 
 def write_metrics(runs: list, path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(["norm", "seed", "step", "time_s", "train_loss", "val_loss"])
-        for run in runs:
-            for r in run.steps:
-                writer.writerow([run.norm, run.seed, r["step"], f"{r['time']:.4f}", r.get("train_loss", ""), r.get("val_loss", "")])
+    def write(tmp):
+        with open(tmp, "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(["norm", "seed", "step", "time_s", "train_loss", "val_loss"])
+            for run in runs:
+                for r in run.steps:
+                    writer.writerow([run.norm, run.seed, r["step"], f"{r['time']:.4f}", r.get("train_loss", ""), r.get("val_loss", "")])
+
+    atomic_write(path, write)
 
 
-def curves(runs: list, norm: str):
+def curves_of(runs: list, norm: str):
     """Evaluation steps, mean training seconds and min/mean/max validation loss over the
     seeds of one norm, up to the last evaluation every seed reached."""
     evals = [r.evals for r in runs if r.norm == norm]
@@ -210,34 +215,16 @@ def curves(runs: list, norm: str):
 
 def plot(runs: list, norms: list, out: Path) -> list:
     """val_loss_vs_step.png and val_loss_vs_time.png: mean over seeds, band from min to max."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import matplotlib.ticker
-    except ImportError:
-        return []
     paths = []
     for x_name, label in (("step", "training step"), ("time", "training time (s, evaluation excluded)")):
-        fig, ax = plt.subplots(figsize=(6.4, 4.0))
+        curves = []
         for norm in norms:
-            steps, seconds, low, mean, high = curves(runs, norm)
-            x = steps if x_name == "step" else seconds
-            ax.plot(x, mean, label=norm)
-            ax.fill_between(x, low, high, alpha=0.2)
-        # A log scale shows the untrained start, a lagging variant and the small gaps near the end at once.
-        ax.set_yscale("log")
-        ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
-        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-        ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        ax.set(xlabel=label, ylabel="validation loss (log scale)", title=f"validation loss vs {label.split(' (')[0]}")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        path = out / f"val_loss_vs_{x_name}.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+            steps, seconds, low, mean, high = curves_of(runs, norm)
+            curves.append(Curve(norm, steps if x_name == "step" else seconds, mean, low, high))
+        title = f"validation loss vs {label.split(' (')[0]}"
+        path = plot_curves(out / f"val_loss_vs_{x_name}.png", curves, label, "validation loss (log scale)", title)
+        if path is None:  # no matplotlib
+            return []
         paths.append(path)
     return paths
 
@@ -257,44 +244,36 @@ def write_report(rows: list, cfg: TrainConfig, seeds: int, plots: list, path: Pa
         "",
     ]
     text += [f"![{p.stem}]({p.name})" for p in plots]
-    path.write_text("\n".join(text) + "\n")
+    atomic_write(path, lambda tmp: tmp.write_text("\n".join(text) + "\n"))
     return path
 
 
 def parser() -> argparse.ArgumentParser:
-    base = TrainConfig()
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--norms", default="rmsnorm,layernorm,none", help=f"comma-separated, from {', '.join(NORMS)}")
-    p.add_argument("--seeds", type=int, default=3, help="runs per norm, seeds --seed, --seed + 1, ...")
-    p.add_argument("--out", default="checkpoints/ablation", help="folder for report.md, metrics.csv and the plots")
-    p.add_argument("--data", default=None, help="a UTF-8 .txt file or a folder of them; None: the built-in stories")
-    p.add_argument("--target-loss", type=float, default=None, help="for the time-to-loss column; None: LayerNorm's final + 2%%")
-    for name in (*DEFAULTS, "lr", "norm_p", "seed", "vocab_size"):
-        p.add_argument("--" + name.replace("_", "-"), type=type(getattr(base, name)), default=DEFAULTS.get(name, getattr(base, name)), help="as in train.py")
-    p.add_argument("--cache-dir", default=base.cache_dir, help="where trained tokenizers and tokenised data are cached")
-    p.add_argument("--device", default=None, help="cuda, mps or cpu; None: the first available")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--norms", default="rmsnorm,layernorm,none", help=f"comma-separated, from {', '.join(NORMS)} (default: rmsnorm,layernorm,none)")
+    p.add_argument("--seeds", type=int, default=3, help="runs per norm, seeds --seed, --seed + 1, ... (default: 3)")
+    p.add_argument("--out", default="checkpoints/ablation", help="folder for report.md, metrics.csv and the plots (default: checkpoints/ablation)")
+    p.add_argument("--target-loss", type=float, default=None, help="for the time-to-loss column (default: LayerNorm's final + 2%%)")
+    add_arguments(p, ("data", *DEFAULTS, "lr", "norm_p", "seed", "vocab_size", "cache_dir", "device"), DEFAULTS)
     return p
 
 
-def main(argv=None) -> int:
+def ablate_from_flags(argv=None) -> None:
     args = vars(parser().parse_args(argv))
     norms = [n.strip() for n in args.pop("norms").split(",") if n.strip()]
     seeds, out, target = args.pop("seeds"), Path(args.pop("out")), args.pop("target_loss")
-    try:
-        unknown = [n for n in norms if n not in NORMS]
-        if unknown or not norms:
-            raise ValueError(f"unknown norm {unknown[0]!r} in --norms; choose from {', '.join(NORMS)}" if unknown else "--norms is empty; e.g. --norms rmsnorm,layernorm")
-        if len(set(norms)) != len(norms):
-            raise ValueError(f"--norms names a norm twice: {','.join(norms)}")
-        if seeds < 1:
-            raise ValueError(f"--seeds must be a positive integer, got {seeds}")
-        ablate(norms, seeds, TrainConfig(**args), out, target)
-    except (ValueError, FileNotFoundError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    unknown = [n for n in norms if n not in NORMS]
+    if unknown or not norms:
+        raise ValueError(f"unknown norm {unknown[0]!r} in --norms; choose from {', '.join(NORMS)}" if unknown else "--norms is empty; e.g. --norms rmsnorm,layernorm")
+    if len(set(norms)) != len(norms):
+        raise ValueError(f"--norms names a norm twice: {','.join(norms)}")
+    if seeds < 1:
+        raise ValueError(f"--seeds must be a positive integer, got {seeds}")
+    ablate(norms, seeds, TrainConfig(**args), out, target)
+
+
+def main(argv=None) -> int:
+    return run_main(ablate_from_flags, argv)
 
 
 if __name__ == "__main__":

@@ -139,15 +139,20 @@ def tokenize(corpus: Corpus, tokenizer: Tokenizer, cache_dir) -> Path:
 
     def write(tmp):
         with open(tmp, "wb") as f:
-            for doc in tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1):
-                ids = [tokenizer.bos_id]
-                for piece_ids in tokenizer.sp.encode(list(pieces(doc)), num_threads=os.cpu_count() or 1):
-                    ids += piece_ids
-                ids.append(tokenizer.eos_id)
+            docs = tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1, disable=None)
+            for doc in docs:  # a bar on a terminal only (disable=None), if this takes more than a second
+                ids = [tokenizer.bos_id, *encode_long(tokenizer, doc), tokenizer.eos_id]
                 array.array("H" if dtype == "uint16" else "I", ids).tofile(f)
 
     atomic_write(path, write)
     return path
+
+
+def encode_long(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of text, encoded piece by piece; SentencePiece takes the pieces on every core at once."""
+    if hasattr(tokenizer, "sp"):  # Llama-2's family
+        return [i for ids in tokenizer.sp.encode(list(pieces(text)), num_threads=os.cpu_count() or 1) for i in ids]
+    return [i for piece in pieces(text) for i in tokenizer.encode(piece, bos=False)]
 
 
 class TokenSplits:

@@ -4,6 +4,10 @@ from typing import Optional
 
 import torch
 
+# The device types the package runs on. torch knows more names (meta, xla, ...), but a
+# model there either holds no data (meta) or needs a backend this package does not set up.
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+
 
 def default_device() -> str:
     if torch.cuda.is_available():
@@ -19,7 +23,9 @@ def pick_device(name: Optional[str] = None, local_rank: int = 0) -> torch.device
     try:
         device = torch.device(name or default_device())
     except RuntimeError:
-        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps") from None
+        device = None
+    if device is None or device.type not in DEVICE_TYPES:
+        raise ValueError(f"unknown device {name!r}; use cpu, cuda, cuda:N or mps")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but no CUDA GPU is available; use --device cpu")

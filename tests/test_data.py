@@ -162,6 +162,23 @@ def test_long_text_is_encoded_in_pieces_cut_at_line_ends(monkeypatch):
     assert all(p.endswith("\n") for p in parts[:-1])
 
 
+def test_tokenizers_of_other_families_encode_through_their_own_encode(tmp_path, monkeypatch):
+    """Llama-3's tiktoken and llama2.c's tokenizers have no SentencePiece inside: their
+    encode() takes each piece of a long text in turn."""
+
+    class ByteTokenizer:  # one id per UTF-8 byte, after unk, bos and eos
+        n_words, bos_id, eos_id = 259, 1, 2
+        model_path = write(tmp_path / "bytes.model", "a tokenizer file, for the cache key")
+
+        def encode(self, text, bos=True, eos=False):
+            return [self.bos_id] * bos + [b + 3 for b in text.encode()] + [self.eos_id] * eos
+
+    monkeypatch.setattr(data, "CHUNK_CHARS", 8)  # many pieces
+    text = "Once upon a time,\nthere was a café.\nThe end."
+    path = data.tokenize(data.open_corpus(write(tmp_path / "a.txt", text)), ByteTokenizer(), tmp_path / "cache")
+    assert read_tokens(path) == [1] + [b + 3 for b in text.encode()] + [2]
+
+
 def test_tokenizer_is_trained_once_per_data_and_vocab_size(tmp_path):
     c = data.open_corpus(write(tmp_path / "a.txt", "\n".join(corpus.stories(30_000))))
     tok = data.load_tokenizer(c, 400, tmp_path / "cache")

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from llama_mini import corpus
-from llama_mini.training import read_metrics
+from llama_mini.run_folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")

@@ -17,11 +17,15 @@ from safetensors.torch import load_file
 
 import llama_mini
 from llama_mini import corpus
-from llama_mini.training import TrainConfig, Trainer, configure_optimizer, flops_per_token, lr_at, read_metrics
+from llama_mini.run_folder import read_metrics
+from llama_mini.training import TrainConfig, Trainer, configure_optimizer, lr_at
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 import train as train_cli  # noqa: E402  (the top-level script, imported to call main() in-process)
+from bench.train_speed import flops_per_token  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TINY = dict(dim=32, n_layers=2, n_heads=2, vocab_size=400, seq_len=32, batch_size=4, eval_iters=2, sample_tokens=20)
 
@@ -31,15 +35,6 @@ def flags(**kw) -> list[str]:
     for k, v in kw.items():
         out += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
     return out
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run as fast on one thread, and a loaded machine stalls two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
