@@ -17,6 +17,7 @@ gguf = pytest.importorskip("gguf")
 from llama_mini.gguf_export import TENSOR_TYPES, export_gguf, rope_freq_factors  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 LLAMA2_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "llama2-tokenizer.model"
 
 

@@ -20,12 +20,7 @@ sys.path.insert(0, str(ROOT))
 import train as train_cli  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def lopsided_weight(out_features, in_features, seed=0):
