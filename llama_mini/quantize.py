@@ -72,7 +72,8 @@ class Int4Linear(nn.Module):
 
     `weight` (saved) holds two codes per byte, the even input in the low nibble: a layout of our
     own, the same on every machine. torch's kernel wants its own layout, which depends on the
-    CPU's instruction set, so it is derived from `weight` at load (prepare) and never saved.
+    CPU's instruction set, so prepare() derives `packed` from `weight` at load and then drops
+    `weight`, keeping one copy of the weights in memory; state_dict() rebuilds it from `packed`.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
@@ -85,6 +86,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout, set by prepare()
+        self.register_state_dict_post_hook(_save_codes)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, impl: str = "auto") -> "Int4Linear":
@@ -99,10 +101,29 @@ class Int4Linear(nn.Module):
         usable = self.impl != "reference" and convert is not None and _kernel("_weight_int4pack_mm_for_cpu") is not None
         if usable and self.out_features % _INT4_KERNEL_N_MULTIPLE == 0 and self.weight.device.type == "cpu":
             self.packed = convert(unpack_nibbles(self.weight).to(torch.int32), 2)
+            self.weight = None
         return self
 
+    def codes(self) -> torch.Tensor:
+        """The codes 0..15 as uint8 (out_features, in_features), from whichever layout is held."""
+        return unpack_nibbles(self.weight) if self.weight is not None else self._codes_from_kernel()
+
+    @torch.no_grad()
+    def _codes_from_kernel(self, rows: int = 256) -> torch.Tensor:
+        """Read the codes back out of the kernel's layout, exactly: with every scale 1 and every
+        zero 8 the kernel computes (q - 8) * 1 + 8 = q, so unit vectors in give the codes out."""
+        groups = self.in_features // self.group_size
+        scale_one_zero_eight = torch.tensor([1.0, 8.0]).expand(groups, self.out_features, 2).contiguous()
+        columns = []
+        for start in range(0, self.in_features, rows):
+            n = min(rows, self.in_features - start)
+            unit = torch.zeros(n, self.in_features)
+            unit[torch.arange(n), torch.arange(start, start + n)] = 1.0
+            columns.append(torch._weight_int4pack_mm_for_cpu(unit, self.packed, self.group_size, scale_one_zero_eight))
+        return torch.cat(columns).t().round().to(torch.uint8)
+
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_nibbles(self.weight).float().unflatten(-1, (-1, self.group_size))
+        codes = self.codes().float().unflatten(-1, (-1, self.group_size))
         w = (codes - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
         return w.flatten(-2).to(self.scales.dtype)
 
@@ -116,6 +137,12 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def _save_codes(module: Int4Linear, state_dict, prefix, local_metadata) -> None:
+    """state_dict post-hook: a prepared layer holds only the kernel's layout; save ours."""
+    if module.weight is None:
+        state_dict[prefix + "weight"] = pack_nibbles(module.codes())
 
 
 def check_int4_shape(in_features: int, group_size: int) -> None:

@@ -102,6 +102,18 @@ def test_int4_linear_equals_the_dequantized_reference(dtype, out_features):
     torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.dequantize().float()), **tolerance(dtype))
 
 
+def test_int4_layer_on_the_kernel_keeps_one_copy_and_saves_its_codes_exactly():
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        pytest.skip("this torch has no int4 CPU kernel")
+    w = lopsided_weight(48, 384)  # 384 inputs: two chunks of the read-back
+    layer = Int4Linear.from_weight(w, 64)
+    assert layer.weight is None and layer.packed is not None
+    codes, scales, zeros = quantize_int4(w, 64)
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], pack_nibbles(codes))
+    assert torch.equal(state["scales"], scales) and torch.equal(state["zeros"], zeros)
+
+
 def tolerance(dtype):
     return dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
 
