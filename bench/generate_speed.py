@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
 from llama_mini.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
-from llama_mini.quantize import Int4Linear, Int8Linear, quantize_model  # noqa: E402
+from llama_mini.model import KVCache  # noqa: E402
+from llama_mini.quantize import quantize_model  # noqa: E402
 
 SIZES = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, multiple_of=32),
@@ -58,18 +59,12 @@ def copy_runner(n_bytes):
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decoding step reads: every weight tensor the forward uses (for int4
-    the kernel's layout, not the saved one), the embedding table aside, of which one row."""
-    total = 0
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            used = [module.packed if module.packed is not None else module.weight, module.scales, module.zeros]
-        elif isinstance(module, Int8Linear):
-            used = [module.weight, module.scales]
-        else:
-            used = list(module.parameters(recurse=False))
-        total += sum(t.numel() * t.element_size() for t in used)
+    """Bytes of weights one decoding step reads: every parameter and buffer (a quantized layer
+    holds only the layout its kernel reads), the embedding table aside, of which one row."""
+    tensors = [t for m in model.modules() if not isinstance(m, KVCache)
+               for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
     embedding = model.tok_embeddings.weight
+    total = sum(t.numel() * t.element_size() for t in tensors)
     return total - (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
 
 

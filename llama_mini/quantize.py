@@ -59,7 +59,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x):
         mm = _kernel("_weight_int8pack_mm")
-        if self.impl == "reference" or mm is None or x.dtype != self.scales.dtype:
+        if self.impl == "reference" or mm is None or x.dtype != self.scales.dtype or x.device.type != "cpu":
             return F.linear(x, self.dequantize().to(x.dtype))
         return mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
 
@@ -74,6 +74,8 @@ class Int4Linear(nn.Module):
     own, the same on every machine. torch's kernel wants its own layout, which depends on the
     CPU's instruction set, so prepare() derives `packed` from `weight` at load and then drops
     `weight`, keeping one copy of the weights in memory; state_dict() rebuilds it from `packed`.
+    Likewise the kernel reads scales and zeros interleaved (`scales_and_zeros`), built once
+    rather than on every call.
     """
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
@@ -86,6 +88,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype, device=device))
         self.register_buffer("packed", None, persistent=False)  # the kernel's layout, set by prepare()
+        self.register_buffer("scales_and_zeros", None, persistent=False)  # (groups, out_features, 2), likewise
         self.register_state_dict_post_hook(_save_codes)
 
     @classmethod
@@ -101,8 +104,15 @@ class Int4Linear(nn.Module):
         usable = self.impl != "reference" and convert is not None and _kernel("_weight_int4pack_mm_for_cpu") is not None
         if usable and self.out_features % _INT4_KERNEL_N_MULTIPLE == 0 and self.weight.device.type == "cpu":
             self.packed = convert(unpack_nibbles(self.weight).to(torch.int32), 2)
-            self.weight = None
+            self.scales_and_zeros = torch.stack((self.scales.t(), self.zeros.t()), dim=-1).contiguous()
+            self.weight = self.scales = self.zeros = None
         return self
+
+    def group_scales_and_zeros(self):
+        """(scales, zeros), each (out_features, groups), from whichever layout is held."""
+        if self.scales is not None:
+            return self.scales, self.zeros
+        return self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
 
     def codes(self) -> torch.Tensor:
         """The codes 0..15 as uint8 (out_features, in_features), from whichever layout is held."""
@@ -123,15 +133,15 @@ class Int4Linear(nn.Module):
         return torch.cat(columns).t().round().to(torch.uint8)
 
     def dequantize(self) -> torch.Tensor:
+        scales, zeros = self.group_scales_and_zeros()
         codes = self.codes().float().unflatten(-1, (-1, self.group_size))
-        w = (codes - 8) * self.scales.float()[..., None] + self.zeros.float()[..., None]
-        return w.flatten(-2).to(self.scales.dtype)
+        w = (codes - 8) * scales.float()[..., None] + zeros.float()[..., None]
+        return w.flatten(-2).to(scales.dtype)
 
     def forward(self, x):
         if self.packed is None:
             return F.linear(x, self.dequantize().to(x.dtype))
-        # The kernel's scales_and_zeros: (groups, out_features, 2), in the activations' dtype.
-        scales_and_zeros = torch.stack((self.scales.t(), self.zeros.t()), dim=-1).to(x.dtype)
+        scales_and_zeros = self.scales_and_zeros.to(x.dtype)  # a no-op unless the model's dtype changed since
         y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, scales_and_zeros)
         return y.view(*x.shape[:-1], self.out_features)
 
@@ -140,9 +150,10 @@ class Int4Linear(nn.Module):
 
 
 def _save_codes(module: Int4Linear, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: a prepared layer holds only the kernel's layout; save ours."""
+    """state_dict post-hook: a prepared layer holds only the kernel's layouts; save ours."""
     if module.weight is None:
         state_dict[prefix + "weight"] = pack_nibbles(module.codes())
+        state_dict[prefix + "scales"], state_dict[prefix + "zeros"] = (t.contiguous() for t in module.group_scales_and_zeros())
 
 
 def check_int4_shape(in_features: int, group_size: int) -> None:
