@@ -1,4 +1,4 @@
-"""Convert a checkpoint between formats: python -m llama_mini.convert SRC DST --to native|meta|hf
+"""Convert a checkpoint between formats: python -m llama_mini.convert SRC DST --to native|meta|hf|gguf
 
     python -m llama_mini.convert out/run llama-hf --to hf          # a model trained here, for transformers
     python -m llama_mini.convert llama-2-13b llama-2-13b-hf --to hf  # Meta's 2 shards -> one HF folder
