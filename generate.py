@@ -1,40 +1,48 @@
 """Sample text from a Llama checkpoint: our run folders, Meta's downloads or Hugging Face folders.
 
     python generate.py --ckpt llama-2-7b --prompt "The capital of France is"
-    python generate.py --ckpt llama-2-7b-chat --chat --system "Answer in one sentence."
+    python generate.py --ckpt Llama-3.2-1B-Instruct --chat --system "Answer in one sentence."
 
-Text is printed token by token as it is generated. --chat reads one user turn per line
-from stdin and keeps the conversation, in Meta's chat format, as the context of the next.
+Text is printed token by token as it is generated, until the tokenizer's stop ids (Llama-3
+ends a chat turn with <|eot_id|>) or --max-new-tokens. --chat reads one user turn per line
+from stdin and keeps the conversation, in the model family's chat format, as the context of
+the next.
 """
 
 import argparse
 import itertools
 import sys
 import time
-
+from pathlib import Path
 
 from llama_mini import load_checkpoint
 from llama_mini.checkpoint import DTYPES, detect_format, find_tokenizer, resolve_run_folder
+from llama_mini.cli import run_main
 from llama_mini.device import pick_device
+from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
 from llama_mini.quantize import QUANTIZATIONS, parameter_count
-from llama_mini.generation import check_sampling_args, generate_stream, stream_text
 from llama_mini.tokenizer import Tokenizer
+
+SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
+# RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
+# is 131,072 tokens) is a typo, not a wish.
+MAX_CONTEXT = 1 << 24
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True, help="checkpoint folder (llama_mini run, Meta or Hugging Face)")
-    p.add_argument("--tokenizer", help="tokenizer.model (default: the one in the checkpoint folder or its parent)")
+    p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--prompt-file", help="file whose text to continue")
     source.add_argument("--chat", action="store_true", help="interactive multi-turn chat on stdin")
-    p.add_argument("--system", help="system prompt; the prompt is then sent as a user turn in Meta's chat format")
+    p.add_argument("--system", help="system prompt; the prompt is then sent as a user turn in the model's chat format")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.6, help="0 is greedy")
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
-    p.add_argument("--seed", type=int, help="sample i uses seed + i; unset draws a random seed")
+    p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
@@ -42,15 +50,33 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
-    try:
-        check_sampling_args(args.temperature, args.top_p, args.top_k)
-    except ValueError as e:
-        raise ValueError(str(e).replace("top_p", "--top-p").replace("top_k", "--top-k").replace("temperature", "--temperature")) from None
+    check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, names=SAMPLING_FLAGS)
     for flag in ("max_new_tokens", "num_samples", "max_seq_len"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+    if args.max_seq_len is not None and args.max_seq_len > MAX_CONTEXT:
+        raise ValueError(f"--max-seq-len must be at most {MAX_CONTEXT} tokens, got {args.max_seq_len}")
+    for flag in ("prompt", "system"):
+        if getattr(args, flag) is not None:
+            setattr(args, flag, utf8_text(getattr(args, flag), f"--{flag}"))
     return args
+
+
+def utf8_text(raw, source: str) -> str:
+    """raw as text, or one line naming source. raw is bytes, or a str as Python reads argv and
+    stdin, where bytes that are not UTF-8 become lone surrogates that no tokenizer can encode."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8") from None
+
+
+def nth_seed(args, i: int):
+    """Sample i's seed: --seed + i, wrapping within the seeds torch takes."""
+    return None if args.seed is None else (args.seed + i) % SEED_LIMIT
 
 
 def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt=True) -> str:
@@ -67,12 +93,14 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
         )
     max_new = min(args.max_new_tokens, context - len(prompt_ids))
     steps = generate_stream(
-        model, [prompt_ids], max_new, args.temperature, args.top_p, args.top_k or None, tokenizer.eos_id, seed
+        model, [prompt_ids], max_new, args.temperature, args.top_p, args.top_k or None, tokenizer.stop_ids, seed
     )
     print(echo, end="", flush=True)
     pieces = []
     context_id = prompt_ids[-1] if continues_prompt else tokenizer.bos_id
-    for piece in stream_text(tokenizer, (step[0] for step in steps), context_id=context_id):
+    # one row: its step is None only at the end, for the stop id that is not part of the text
+    new_ids = (step[0] for step in steps if step[0] is not None)
+    for piece in stream_text(tokenizer, new_ids, context_id=context_id):
         print(piece, end="", flush=True)
         pieces.append(piece)
     print(flush=True)
@@ -82,36 +110,47 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
 def chat(model, tokenizer, args) -> None:
     """Multi-turn chat: the whole dialog so far is the prompt of each answer."""
     dialog = [{"role": "system", "content": args.system}] if args.system else []
+    lines = (utf8_text(line.rstrip(b"\r\n"), f"line {n} of the chat input") for n, line in enumerate(sys.stdin.buffer, 1))
     for turn in itertools.count():
-        try:
-            user = input("> ")
-        except EOFError:
+        print("> ", end="", flush=True)
+        user = next(lines, None)
+        if user is None:
             print()
             return
         if not user.strip():
             continue
         dialog.append({"role": "user", "content": user})
-        seed = None if args.seed is None else args.seed + turn
-        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, seed, continues_prompt=False)
+        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, nth_seed(args, turn), continues_prompt=False)
         dialog.append({"role": "assistant", "content": answer})
+
+
+def open_tokenizer(ckpt: Path, path=None) -> Tokenizer:
+    """The tokenizer named by --tokenizer, else the checkpoint's own."""
+    path = path or find_tokenizer(ckpt)
+    if path is None:
+        raise FileNotFoundError(
+            f"no tokenizer.model in {ckpt} or its parent (nor original/tokenizer.model, tokenizer.bin or "
+            "tokenizer.json); pass --tokenizer PATH"
+        )
+    return Tokenizer(path)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    text = args.prompt
+    if args.prompt_file is not None:  # read before the model: a bad file fails fast
+        text = utf8_text(Path(args.prompt_file).read_bytes(), args.prompt_file)
     device = pick_device(args.device)
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)
-    tokenizer_path = args.tokenizer or find_tokenizer(ckpt)
-    if tokenizer_path is None:
-        raise FileNotFoundError(f"no tokenizer.model in {ckpt} or its parent; pass --tokenizer PATH")
-    tokenizer = Tokenizer(tokenizer_path)
+    tokenizer = open_tokenizer(ckpt, args.tokenizer)
     start = time.perf_counter()
-    model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len, tokenizer_path=tokenizer_path,
-                            quantize=args.quantize)
+    model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len,
+                            tokenizer_path=tokenizer.model_path, quantize=args.quantize)
     if tokenizer.n_words != model.args.vocab_size:
         raise ValueError(
-            f"tokenizer {tokenizer_path} has {tokenizer.n_words} tokens but the model's vocabulary has "
-            f"{model.args.vocab_size}; pass the tokenizer.model that belongs to this checkpoint (--tokenizer)"
+            f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} tokens but the model's vocabulary has "
+            f"{model.args.vocab_size}; pass the tokenizer that belongs to this checkpoint (--tokenizer)"
         )
     n_params = parameter_count(model)
     quantization = getattr(model, "quantization", None)
@@ -126,11 +165,6 @@ def main(argv=None) -> None:
 
     if args.chat:
         return chat(model, tokenizer, args)
-    if args.prompt_file is not None:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = args.prompt
     if args.system is not None:
         prompt_ids = tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": text}])
     else:
@@ -138,15 +172,8 @@ def main(argv=None) -> None:
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        seed = None if args.seed is None else args.seed + i
-        complete(model, tokenizer, prompt_ids, args, seed, echo=text if args.system is None else "")
+        complete(model, tokenizer, prompt_ids, args, nth_seed(args, i), echo=text if args.system is None else "")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    sys.exit(run_main(main))

@@ -74,13 +74,20 @@ def detect_format(path) -> str:
     )
 
 
+# Where a checkpoint's tokenizer lives: ours and Meta's beside the weights; Meta's HF repos
+# of Llama-3 keep Meta's tiktoken file in original/; llama2.c's is tokenizer.bin; failing
+# those, Hugging Face's own tokenizer.json.
+TOKENIZER_NAMES = (TOKENIZER, "original/" + TOKENIZER, "tokenizer.bin", "tokenizer.json")
+
+
 def find_tokenizer(path):
-    """tokenizer.model in the checkpoint folder, or in its parent (Meta's downloads keep one
+    """The tokenizer in the checkpoint folder, or in its parent (Meta's downloads keep one
     tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); None if neither has one."""
     path = resolve_run_folder(path)
     for folder in (path, path.parent):
-        if (folder / TOKENIZER).is_file():
-            return folder / TOKENIZER
+        for name in TOKENIZER_NAMES:
+            if (folder / name).is_file():
+                return folder / name
     return None
 
 

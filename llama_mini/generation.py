@@ -6,21 +6,30 @@ decoded per step. A row whose prompt is longer keeps feeding its own prompt toke
 they run out (Meta's input_text_mask), so all rows share one cache and none sees padding.
 """
 
-from typing import Iterable, Iterator, Optional
+import math
+import numbers
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
 from .model import Transformer
 
 
-def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int]) -> None:
-    """Refuse sampling settings that mean nothing, with the valid range in the message."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+
+
+def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None, names=None) -> None:
+    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the
+    message. names maps an argument to what the caller calls it (generate.py: top_p -> --top-p)."""
+    name = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", **(names or {})}
+    if not 0 <= temperature < math.inf:
+        raise ValueError(f"{name['temperature']} must be >= 0 (0 is greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
+        raise ValueError(f"{name['top_p']} must be in (0, 1] (1 keeps every token), got {top_p}")
     if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 or None keeps every token), got {top_k}")
+        raise ValueError(f"{name['top_k']} must be >= 0 (0 or None keeps every token), got {top_k}")
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"{name['seed']} must be in [0, 2**64), got {seed}")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -60,15 +69,17 @@ def generate(
     temperature: float = 0.6,
     top_p: float = 0.9,
     top_k: Optional[int] = None,
-    eos_id: Optional[int] = None,
+    eos_id: Union[int, Iterable[int], None] = None,
     seed: Optional[int] = None,
 ) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
-    prompt_tokens may have rows of different lengths; each row stops at its own EOS. With
-    eos_id=None nothing stops early and every row gets exactly max_new_tokens. Sampling
-    draws from a private torch.Generator (seeded by seed, or randomly when seed is None),
-    so the same seed gives the same text and the global RNG is left alone.
+    prompt_tokens may have rows of different lengths; each row stops at its own EOS. eos_id
+    is one id or several (Llama-3 ends a text with <|end_of_text|> and a chat turn with
+    <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
+    exactly max_new_tokens. Sampling draws from a private torch.Generator (seeded by seed,
+    or randomly when seed is None), so the same seed gives the same text and the global RNG
+    is left alone.
     """
     out = [[] for _ in prompt_tokens]
     for step in generate_stream(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, seed):
@@ -85,7 +96,7 @@ def generate_stream(
     temperature: float = 0.6,
     top_p: float = 0.9,
     top_k: Optional[int] = None,
-    eos_id: Optional[int] = None,
+    eos_id: Union[int, Iterable[int], None] = None,
     seed: Optional[int] = None,
 ) -> Iterator[list[Optional[int]]]:
     """generate, one decoding step at a time, for printing text as it comes.
@@ -94,7 +105,7 @@ def generate_stream(
     none at this step (it is still reading its longer prompt, or it has finished). The
     arguments are checked here, before the first step.
     """
-    check_sampling_args(temperature, top_p, top_k)
+    check_sampling_args(temperature, top_p, top_k, seed)
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
@@ -110,7 +121,8 @@ def generate_stream(
         generator.seed()
     else:
         generator.manual_seed(seed)
-    steps = _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator)
+    stop_ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, numbers.Integral) else list(eos_id)
+    steps = _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator)
     return _dropping_cache(model, steps)
 
 
@@ -124,8 +136,9 @@ def _dropping_cache(model, steps):
 
 
 @torch.inference_mode()
-def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, generator):
+def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator):
     device = model.tok_embeddings.weight.device
+    stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
     lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
     B, total_len = len(prompt_tokens), int(lengths.max()) + max_new_tokens
     tokens = torch.zeros(B, total_len, dtype=torch.long, device=device)
@@ -151,7 +164,7 @@ def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos
         next_token = torch.where(in_prompt, tokens[:, cur_pos], next_token)
         tokens[:, cur_pos] = next_token
         fresh = ~in_prompt & ~done
-        stop = fresh & (next_token == eos_id) if eos_id is not None else torch.zeros_like(done)
+        stop = fresh & torch.isin(next_token, stop_ids)
         yield [t if new else None for t, new in zip(next_token.tolist(), (fresh & ~stop).tolist())]
         done |= stop | (cur_pos + 1 >= lengths + max_new_tokens)
         if done.all():

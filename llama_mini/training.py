@@ -68,14 +68,10 @@ def configure_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.
 
 
 def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, seed=None) -> str:
-    """prompt and the model's continuation, which stops early at an end of text (EOS)."""
+    """prompt and the model's continuation, which stops early at an end of text (any of stop_ids)."""
     ids = tokenizer.encode(prompt, bos=True)
     max_new_tokens = max(0, min(max_new_tokens, model.args.max_seq_len - len(ids)))
-    try:
-        new = generate(model, [ids], max_new_tokens, temperature=0.6, top_p=0.9, eos_id=tokenizer.eos_id, seed=seed)[0]
-    finally:
-        for layer in model.layers:  # drop the KV cache: it is only needed while sampling
-            layer.attention.cache = None
+    new = generate(model, [ids], max_new_tokens, temperature=0.6, top_p=0.9, eos_id=tokenizer.stop_ids, seed=seed)[0]
     return tokenizer.decode(ids + new)
 
 
@@ -155,9 +151,6 @@ class Trainer:
                 raise FileNotFoundError(f"no {TOKENIZER} in {cfg.init_from} or its parent; pass --tokenizer PATH")
         with self.group.local_rank_zero_first():
             tokenizer = Tokenizer(path) if path else load_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
-            if tokenizer.bos_id < 0 or tokenizer.eos_id < 0:
-                raise ValueError(f"{tokenizer.model_path} is a tokenizer without BOS/EOS tokens, which mark where each "
-                                 "text starts and ends in training; pass one that has both, or leave --tokenizer out")
             tokens = TokenSplits(tokenize(corpus, tokenizer, cfg.cache_dir), cfg.val_fraction)
         tokens.check_seq_len(cfg.seq_len, corpus.name)
         prompt_len = len(tokenizer.encode(cfg.prompt))

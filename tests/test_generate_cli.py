@@ -1,21 +1,18 @@
 """generate.py as a user runs it: a subprocess, its stdout, stderr and exit code."""
 
-import importlib.util
 import io
-import runpy
-import subprocess
-import sys
-from unittest import mock
-from pathlib import Path
+import os
 
 import pytest
 import torch
+from llama2c_files import export_sentencepiece
+from generate_cli_helpers import (
+    LLAMA2_TOKENIZER as FIXTURE_TOKENIZER, assert_clean_error, expected_samples, favour_token, load_cli, run,
+    run_in_process,
+)
 
 from llama_mini import ModelArgs, Transformer, generate, save_checkpoint
 from llama_mini.tokenizer import Tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
-FIXTURE_TOKENIZER = Path("/work/shared/fixtures/llama2-tokenizer.model")
 
 
 @pytest.fixture(scope="module")
@@ -28,11 +25,15 @@ def ckpt(tmp_path_factory):
     return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"), tokenizer_path=FIXTURE_TOKENIZER)
 
 
-def run(*args, stdin=""):
-    return subprocess.run(
-        [sys.executable, str(ROOT / "generate.py"), *map(str, args)],
-        input=stdin, capture_output=True, text=True, timeout=120, cwd=ROOT,
-    )
+@pytest.fixture(scope="module")
+def eos_ckpt(tmp_path_factory):
+    """A tiny model whose samples end with EOS after about ten tokens, or run to the limit."""
+    root = tmp_path_factory.mktemp("eos")
+    text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
+    tokenizer = Tokenizer.train(text.split(". "), vocab_size=300, model_path=root / "tok.model")
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tokenizer.n_words, max_seq_len=64))
+    return save_checkpoint(favour_token(model, tokenizer.eos_id, 2.1), root / "ckpt", tokenizer_path=tokenizer.model_path)
 
 
 def test_prompt_is_continued_with_exactly_the_decoded_tokens(ckpt):
@@ -46,18 +47,39 @@ def test_prompt_is_continued_with_exactly_the_decoded_tokens(ckpt):
     assert result.stdout == tokenizer.decode(prompt + new) + "\n"
 
 
-def load_cli():
-    spec = importlib.util.spec_from_file_location("generate_cli", ROOT / "generate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_samples_that_reach_eos_print_what_generate_returns(eos_ckpt):
+    texts, lengths = expected_samples(eos_ckpt, Tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 16, 24, seed=0)
+    assert 0 in lengths and 24 in lengths and any(0 < n < 24 for n in lengths)  # EOS first, never, midway
+    result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 0, "--num-samples", 16)
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stdout == "".join(f"--- sample {i + 1}/16\n{text}\n" for i, text in enumerate(texts))
+
+
+def test_one_sample_that_ends_at_eos_prints_its_text(eos_ckpt):
+    texts, lengths = expected_samples(eos_ckpt, Tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 1, 24, seed=3)
+    assert 0 < lengths[0] < 24  # this seed ends at EOS
+    result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 3)
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == texts[0] + "\n"
+
+
+def test_llama2c_tokenizer_bin_encodes_the_prompt_and_prints_the_text(eos_ckpt, tmp_path):
+    """llama2.c's tokenizer.bin of the checkpoint's own vocabulary: the same ids, so the same text."""
+    tokenizer = Tokenizer(eos_ckpt / "tokenizer.model")
+    texts, _ = expected_samples(eos_ckpt, tokenizer, "Tom and Sue", 3, 24, seed=0)
+    tokenizer_bin = export_sentencepiece(eos_ckpt / "tokenizer.model", tmp_path / "tokenizer.bin")
+    result = run("--ckpt", eos_ckpt, "--tokenizer", tokenizer_bin, "--prompt", "Tom and Sue", "--max-new-tokens", 24,
+                 "--seed", 0, "--num-samples", 3)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "".join(f"--- sample {i + 1}/3\n{text}\n" for i, text in enumerate(texts))
 
 
 def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     cli = load_cli()
     prompts, answers = [], iter([[450, 1234], [3869]])  # ▁The ..., ▁Yes
     monkeypatch.setattr(cli, "generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
-    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\nWhy?\n"))
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
     cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief."])
     tokenizer = Tokenizer(ckpt / "tokenizer.model")
     first_answer = tokenizer.decode([450, 1234])
@@ -78,22 +100,6 @@ def test_chat_runs_to_the_end_of_stdin(ckpt):
     result = run("--ckpt", ckpt, "--chat", "--max-new-tokens", 5, "--seed", 0, stdin="Hi\nAnd then?\n")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("> ") == 3  # two answered turns, then the prompt that met end of input
-
-
-def run_in_process(*args, capsys):
-    """generate.py's __main__ block, run here: the same error handling without a new interpreter."""
-    with pytest.raises(SystemExit) as exit_info:
-        with mock.patch("sys.argv", ["generate.py", *map(str, args)]):
-            runpy.run_path(str(ROOT / "generate.py"), run_name="__main__")
-    return subprocess.CompletedProcess(args, exit_info.value.code, "", capsys.readouterr().err)
-
-
-def assert_clean_error(result, *words):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr
-    assert "error:" in result.stderr
-    for word in words:
-        assert word in result.stderr, result.stderr
 
 
 def test_negative_temperature_is_refused(ckpt):
@@ -139,3 +145,55 @@ def test_truncated_weights_are_reported(ckpt, tmp_path):
 def test_unknown_format_is_reported(tmp_path, capsys):
     (tmp_path / "tokenizer.model").write_bytes(b"")
     assert_clean_error(run_in_process("--ckpt", tmp_path, "--prompt", "Hi", capsys=capsys), "not a checkpoint folder")
+
+
+def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eos_ckpt, tmp_path, capsys):
+    import sentencepiece as spm
+
+    from llama_mini import corpus
+
+    lines = [line for story in corpus.stories(2000) for line in story.splitlines()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "nobos"), vocab_size=200,
+        bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+    )
+    result = run_in_process("--ckpt", eos_ckpt, "--tokenizer", tmp_path / "nobos.model", "--prompt", "Hi", capsys=capsys)
+    assert_clean_error(result, "nobos.model is a SentencePiece model without BOS/EOS")
+
+
+# --- Issue 13's bad input: one `error:` line that names the flag or the file, never a traceback ---
+
+BAD_INPUT = {
+    # name: (arguments after --ckpt, stdin, words the message must hold)
+    "temperature nan": (["--prompt", "Hi", "--temperature", "nan"], "", ["--temperature must be >= 0", "got nan"]),
+    "temperature inf": (["--prompt", "Hi", "--temperature", "inf"], "", ["--temperature must be >= 0", "got inf"]),
+    "top-p nan": (["--prompt", "Hi", "--top-p", "nan"], "", ["--top-p must be in (0, 1]"]),
+    "seed past 2**64": (["--prompt", "Hi", "--seed", 10**24], "", ["--seed must be in [0, 2**64)"]),
+    "seed 1e24": (["--prompt", "Hi", "--seed", "1e24"], "", ["--seed", "invalid int value: '1e24'"]),
+    "max-seq-len absurd": (["--prompt", "Hi", "--max-seq-len", 10**10], "", ["--max-seq-len must be at most"]),
+    "max-seq-len negative": (["--prompt", "Hi", "--max-seq-len", -4], "", ["--max-seq-len must be >= 1"]),
+    "device meta": (["--prompt", "Hi", "--device", "meta"], "", ["unknown device 'meta'", "use cpu, cuda"]),
+    "device xla": (["--prompt", "Hi", "--device", "xla"], "", ["unknown device 'xla'", "use cpu, cuda"]),
+    "prompt not UTF-8": (["--prompt", b"caf\xe9"], "", ["--prompt is not UTF-8 text (byte 0xe9 at offset 3)"]),
+    "system not UTF-8": (["--prompt", "Hi", "--system", b"\xff!"], "", ["--system is not UTF-8 text (byte 0xff"]),
+    "chat input not UTF-8": (["--chat"], "Hi\n\udcff\udcfe\n", ["line 2 of the chat input is not UTF-8 text (byte 0xff"]),
+    "prompt file not UTF-8": (["--prompt-file", "{latin1.txt}"], "", ["latin1.txt is not UTF-8 text (byte 0xe9"]),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUT)
+def test_bad_input_is_refused_in_one_line(eos_ckpt, tmp_path, monkeypatch, capsys, case):
+    """In this process (generate.py's __main__ block): bytes arguments are decoded as Python
+    decodes argv (os.fsdecode), stdin is bytes."""
+    args, stdin, words = BAD_INPUT[case]
+    (tmp_path / "latin1.txt").write_bytes("café".encode("latin-1"))
+    args = [str(tmp_path / a[1:-1]) if isinstance(a, str) and a.startswith("{") else a for a in args]
+    args = [os.fsdecode(a) if isinstance(a, bytes) else a for a in args]
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(stdin.encode("utf-8", "surrogateescape"))))
+    assert_clean_error(run_in_process("--ckpt", eos_ckpt, *args, "--max-new-tokens", 4, capsys=capsys), *words)
+
+
+@pytest.mark.parametrize("case", ["prompt not UTF-8", "chat input not UTF-8"])
+def test_bytes_that_are_not_utf8_are_refused_by_the_real_cli(eos_ckpt, case):
+    args, stdin, words = BAD_INPUT[case]
+    assert_clean_error(run("--ckpt", eos_ckpt, *args, "--max-new-tokens", 4, stdin=stdin), *words)

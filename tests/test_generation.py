@@ -75,7 +75,9 @@ def test_sampling_follows_the_filtered_distribution():
 
 @pytest.mark.parametrize(
     "kw, message",
-    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k")],
+    [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -1}, "top_k"),
+     ({"temperature": math.nan}, "temperature"), ({"temperature": math.inf}, "temperature"), ({"top_p": math.nan}, "top_p"),
+     ({"seed": 2**64}, "seed must be in \\[0, 2\\*\\*64\\)"), ({"seed": -1}, "seed")],
 )
 def test_bad_sampling_arguments_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -109,6 +111,20 @@ def test_eos_stops_its_row_only():
     eos = free[0][3]
     assert eos not in free[0][:3] and eos not in free[1]  # stops row 0 after 3 tokens, never row 1
     assert generate(model, prompts, 20, temperature=0, eos_id=eos) == [free[0][:3], free[1]]
+
+
+def test_several_stop_ids_stop_a_row_at_the_first_of_them():
+    model = tiny_model()
+    free = generate(model, [[1, 5, 9]], 20, temperature=0)[0]
+    later, earlier = free[6], free[2]
+    assert earlier not in free[:2] and later not in free[:6]
+    assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=[later, earlier]) == [free[:2]]
+    assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=(later,)) == [free[:6]]
+
+
+def test_the_largest_seed_is_accepted():
+    out = generate(tiny_model(), [[1, 2]], 3, temperature=1.0, seed=2**64 - 1)
+    assert len(out[0]) == 3
 
 
 def test_same_seed_gives_same_tokens_and_leaves_global_rng_alone():

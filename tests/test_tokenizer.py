@@ -1,13 +1,23 @@
-"""llama_mini.Tokenizer: a BPE trained on our text, and Meta's Llama-2 tokenizer.model."""
+"""llama_mini.Tokenizer: a BPE trained on our text, Meta's Llama-2 tokenizer.model, and how a
+file's family is told from its content. The Llama-3 and llama2.c families have test files of their own."""
 
+import os
+import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import sentencepiece as spm
 
 from llama_mini import corpus
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.tokenizer import SentencePieceTokenizer, Tokenizer
 
-META_TOKENIZER = Path(__file__).resolve().parents[2] / "shared" / "fixtures" / "llama2-tokenizer.model"
+FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
+META_TOKENIZER = FIXTURES / "llama2-tokenizer.model"
+LLAMA3_TOKENIZER = FIXTURES / "llama3-tokenizer.model"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +63,60 @@ def test_meta_llama2_tokenizer_encodes_hello_world_as_meta_does():
 def test_missing_tokenizer_file_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer not found"):
         Tokenizer(tmp_path / "nope.model")
+
+
+def test_stop_ids_of_a_sentencepiece_model_are_its_eos(trained):
+    assert trained.stop_ids == [trained.eos_id] == [2]
+
+
+def test_the_family_is_told_by_content_not_by_name(trained, tmp_path):
+    if not LLAMA3_TOKENIZER.is_file():
+        pytest.skip(f"Meta's Llama-3 tokenizer is not at {LLAMA3_TOKENIZER}")
+    shutil.copyfile(LLAMA3_TOKENIZER, tmp_path / "tokenizer.bin")
+    shutil.copyfile(trained.model_path, tmp_path / "tiktoken.model")
+    assert Tokenizer(tmp_path / "tokenizer.bin").encode("This is a test sentence.", bos=False) == [2028, 374, 264, 1296, 11914, 13]
+    assert isinstance(Tokenizer(tmp_path / "tiktoken.model"), SentencePieceTokenizer)
+
+
+@pytest.mark.parametrize("content", [b"", b"hello, I am a text file\n", bytes(range(256)) * 4], ids=["empty", "text", "binary"])
+def test_a_file_of_no_known_family_is_refused_in_one_line(tmp_path, content):
+    (tmp_path / "tokenizer.model").write_bytes(content)
+    with pytest.raises(ValueError, match="tokenizer.model is not a tokenizer llama_mini reads"):
+        Tokenizer(tmp_path / "tokenizer.model")
+
+
+def test_a_sentencepiece_model_without_bos_and_eos_is_refused_naming_the_file(tmp_path):
+    lines = [line for story in corpus.stories(2000) for line in story.splitlines()]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines), model_prefix=str(tmp_path / "nobos"), vocab_size=200,
+        bos_id=-1, eos_id=-1, unk_id=0, minloglevel=2,
+    )
+    with pytest.raises(ValueError, match="nobos.model is a SentencePiece model without BOS/EOS"):
+        Tokenizer(tmp_path / "nobos.model")
+
+
+def test_a_failed_tokenizer_write_leaves_no_file_behind(tmp_path):
+    """A full disk, as `ulimit -f` makes one: the write fails with OSError and leaves nothing,
+    neither the tokenizer nor a temporary file."""
+    code = (
+        "import sys; from llama_mini.tokenizer import Tokenizer\n"
+        "try:\n"
+        "    Tokenizer.train(['Tom had a red ball.', 'Sue was glad.'] * 200, 300, sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print('OSError', e.errno)\n"
+    )
+
+    def limit_file_size():
+        import resource
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # fail the write with EFBIG instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    result = subprocess.run(
+        [sys.executable, "-B", "-c", code, str(out / "tok.model")], capture_output=True, text=True,
+        cwd=ROOT, preexec_fn=limit_file_size, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120,
+    )
+    assert result.stdout.startswith("OSError"), result.stdout + result.stderr
+    assert list(out.iterdir()) == []

@@ -1,0 +1,128 @@
+"""generate.py --chat through the real CLI: a multi-turn conversation on stdin, for both chat formats.
+
+The expected output is computed here with generate() from the prompts Meta's formats
+prescribe, each holding the previous answers; the CLI must print exactly those answers.
+Two tiny models per family: a "sensitive" one (weights scaled up, greedy decoding), whose
+answers change when an earlier answer is left out of the prompt, so the CLI must have sent
+the answers back; and one that ends a turn with its end-of-turn token about one time in
+seven, so turns end there as well as at --max-new-tokens.
+"""
+
+import pytest
+import torch
+from generate_cli_helpers import LLAMA3_TOKENIZER, favour_token, run, tiny_llama3
+
+from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini.chat_format import B_SYS, E_SYS
+from llama_mini.tiktoken_tokenizer import TiktokenTokenizer
+from llama_mini.tokenizer import Tokenizer
+
+SYSTEM, TURNS, MAX_NEW, SEED = "Be brief.", ["Hi there", "And then?", "Why?"], 10, 7
+EOT = 128009  # Llama-3's <|eot_id|>
+
+
+def scale_weights(model, factor=10.0):
+    """Larger weights: logits that differ enough for greedy decoding to follow the whole context."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(factor)
+    return model
+
+
+def chat_checkpoint(root, family, change):
+    """A tiny model of the family, change(model, end_of_turn_id) applied, saved with its tokenizer."""
+    if family == "llama3":
+        return tiny_llama3(root / "hf", change=lambda model: change(model, EOT))
+    text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
+    tokenizer = Tokenizer.train(text.split(". "), vocab_size=300, model_path=root / "tok.model")
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tokenizer.n_words, max_seq_len=512))
+    return save_checkpoint(change(model, tokenizer.eos_id), root / "ckpt", tokenizer_path=tokenizer.model_path)
+
+
+@pytest.fixture(scope="module", params=["llama2", "llama3"])
+def sensitive_ckpt(request, tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp(request.param), request.param, lambda model, end: scale_weights(model))
+
+
+@pytest.fixture(scope="module", params=["llama2", "llama3"])
+def turn_end_ckpt(request, tmp_path_factory):
+    logit = {"llama2": 2.0, "llama3": 6.0}[request.param]
+    return chat_checkpoint(tmp_path_factory.mktemp(request.param), request.param, lambda model, end: favour_token(model, end, logit))
+
+
+def tokenizer_of(ckpt):
+    return Tokenizer(next(p for p in (ckpt / "tokenizer.model", ckpt / "original" / "tokenizer.model") if p.is_file()))
+
+
+def expected_chat(ckpt, tokenizer, temperature, send_answers=True):
+    """The prompt, the answer and the answer's length in tokens of every turn, as Meta's
+    chat_completion would make them (send_answers=False: as if the answers were forgotten)."""
+    model, dialog = load_checkpoint(ckpt), [{"role": "system", "content": SYSTEM}]
+    prompts, answers, lengths = [], [], []
+    for turn, user in enumerate(TURNS):
+        dialog.append({"role": "user", "content": user})
+        prompts.append(tokenizer.encode_dialog(dialog))
+        new = generate(model, [prompts[-1]], MAX_NEW, temperature, eos_id=tokenizer.stop_ids, seed=SEED + turn)[0]
+        answers.append(tokenizer.decode(new))
+        lengths.append(len(new))
+        dialog.append({"role": "assistant", "content": answers[-1] if send_answers else ""})
+    return prompts, answers, lengths
+
+
+def chat_run(ckpt, temperature):
+    return run("--ckpt", ckpt, "--chat", "--system", SYSTEM, "--max-new-tokens", MAX_NEW, "--seed", SEED,
+               "--temperature", temperature, stdin="".join(user + "\n" for user in TURNS))
+
+
+def assert_llama3_prompts_grow_by_each_answer(tokenizer, prompts, answers):
+    """Turn n+1's prompt is turn n's, then the answer, <|eot_id|>, and the new user message."""
+    header = lambda role: [128006, *tokenizer.encode(role, bos=False), 128007, 271]  # noqa: E731
+    for before, after, answer, user in zip(prompts, prompts[1:], answers, TURNS[1:]):
+        assert after[: len(before)] == before
+        assert after[len(before) :] == (
+            tokenizer.encode(answer.strip(), bos=False) + [EOT] + header("user") + tokenizer.encode(user, bos=False)
+            + [EOT] + header("assistant")
+        )
+
+
+def assert_llama2_prompts_hold_each_exchange(tokenizer, prompts, answers):
+    """Turn n+1's prompt is BOS [INST] user [/INST] answer EOS per finished exchange, then the open turn."""
+    last = prompts[-1]
+    exchanges = []
+    while tokenizer.eos_id in last:
+        end = last.index(tokenizer.eos_id)
+        exchanges.append(last[: end + 1])
+        last = last[end + 1 :]
+    users = [f"{B_SYS}{SYSTEM}{E_SYS}{TURNS[0]}"] + TURNS[1:]
+    assert [tokenizer.decode(ids) for ids in exchanges] == [
+        f"[INST] {user} [/INST] {answer.strip()} " for user, answer in zip(users, answers[:2])
+    ]
+    assert [ids[0] for ids in exchanges] == [tokenizer.bos_id] * 2 and tokenizer.decode(last) == f"[INST] {TURNS[2]} [/INST]"
+
+
+def test_a_multi_turn_chat_sends_each_answer_back_and_ends_at_end_of_input(sensitive_ckpt):
+    tokenizer = tokenizer_of(sensitive_ckpt)
+    prompts, answers, _ = expected_chat(sensitive_ckpt, tokenizer, temperature=0)
+    if isinstance(tokenizer, TiktokenTokenizer):
+        assert_llama3_prompts_grow_by_each_answer(tokenizer, prompts, answers)
+    else:
+        assert_llama2_prompts_hold_each_exchange(tokenizer, prompts, answers)
+    forgetful = expected_chat(sensitive_ckpt, tokenizer, temperature=0, send_answers=False)[1]
+    assert forgetful[0] == answers[0] and forgetful[1] != answers[1] and forgetful[2] != answers[2]
+
+    result = chat_run(sensitive_ckpt, temperature=0)
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == "".join(f"> {answer}\n" for answer in answers) + "> \n"
+
+
+def test_turns_that_end_at_the_end_of_turn_token_print_without_it(turn_end_ckpt):
+    tokenizer = tokenizer_of(turn_end_ckpt)
+    _, answers, lengths = expected_chat(turn_end_ckpt, tokenizer, temperature=0.6)
+    assert min(lengths) < MAX_NEW  # a turn ended at <|eot_id|> (Llama-3) or EOS (Llama-2)
+
+    result = chat_run(turn_end_ckpt, temperature=0.6)
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == "".join(f"> {answer}\n" for answer in answers) + "> \n"
+    assert "<|eot_id|>" not in result.stdout
