@@ -20,6 +20,7 @@ from llama_mini.checkpoint import DTYPES, detect_format, find_tokenizer, resolve
 from llama_mini.cli import run_main
 from llama_mini.device import pick_device
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
+from llama_mini.quantize import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizer import Tokenizer
 
 SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
@@ -44,6 +45,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
+    p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
     p.add_argument("--device", help="default: cuda, else mps, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
@@ -143,16 +145,19 @@ def main(argv=None) -> None:
     fmt = detect_format(ckpt)
     tokenizer = open_tokenizer(ckpt, args.tokenizer)
     start = time.perf_counter()
-    model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len, tokenizer_path=tokenizer.model_path)
+    model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len,
+                            tokenizer_path=tokenizer.model_path, quantize=args.quantize)
     if tokenizer.n_words != model.args.vocab_size:
         raise ValueError(
             f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} tokens but the model's vocabulary has "
             f"{model.args.vocab_size}; pass the tokenizer that belongs to this checkpoint (--tokenizer)"
         )
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = parameter_count(model)
+    quantization = getattr(model, "quantization", None)
+    quantized = f" with {quantization['method']} weights" if quantization else ""
     print(
         f"loaded {fmt} checkpoint {ckpt}: {n_params / 1e6:.1f}M parameters, "
-        f"{model.output.weight.dtype}, {device}, in {time.perf_counter() - start:.1f}s",
+        f"{model.tok_embeddings.weight.dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
     if args.compile:

@@ -1,38 +1,57 @@
-"""Generation speed: llama_mini.generate against transformers' generate on the same weights.
+"""Generation speed: llama_mini (fp32, bf16, int8, int4) against transformers and llama.cpp on the same weights.
 
-Batch 1, greedy, the Llama shapes of llama2.c's 15M (dim 288, 6 layers, 6 heads) and 110M
-(dim 768, 12 layers, 12 heads) models with Llama-2's 32000-token vocabulary, in float32
-and bfloat16. The two run alternately, round after round, so the load from other processes
-falls on both alike; the ratio is the median over rounds of their time for the same tokens.
+Batch 1, greedy, random weights of a Llama shape with Llama-2's 32000-token vocabulary:
+llama2.c's 15M and 110M, and a 1B of Llama-3.2 1B's shape (dim 2048, 16 layers, 32 heads
+with 8 KV heads, hidden 5632). llama_mini's int8 and int4 (llama_mini/quantize.py) run with
+bf16 activations, the dtype torch's weight-only kernels are fast with. llama.cpp, when
+llama-cpp-python is installed, runs the same weights exported through llama_mini/gguf_export.py
+as F32, BF16, Q8_0 and Q4_0; the export needs the Llama-2 tokenizer.model (--tokenizer).
+
+Every implementation runs once per round, in the same order, round after round, so the load
+from other processes falls on all alike; figures are medians over rounds. Each generate call
+reads a 16-token prompt, then decodes --tokens tokens.
 
 Decoding one token reads every weight once (the embedding table aside: one row), so the
 memory bandwidth bounds tokens/s at bandwidth / weight bytes. The bandwidth is measured in
-the same rounds by copying as many bytes as the weights hold (bytes read + bytes written
-per second: the same buffer size meets the same caches), and each result is printed as a
-fraction of that bound.
+the same rounds by copying as many bytes as the fp32 weights hold (bytes read + bytes written
+per second), and each result is printed as a share of its own bound ("of bound").
 
-    python bench/generate_speed.py                 # both sizes, fp32 and bf16
-    python bench/generate_speed.py --compile       # llama_mini with torch.compile as well
-    python bench/generate_speed.py --profile       # where a decoding step's time goes
+    python bench/generate_speed.py --sizes 110M 1B     # the comparison of issue 15
+    python bench/generate_speed.py --quick             # a tiny shape, 1 round: checks that it all runs
+    python bench/generate_speed.py --compile           # llama_mini with torch.compile as well
+    python bench/generate_speed.py --profile           # where a decoding step's time goes
 """
 
 import argparse
+import copy
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
 from llama_mini.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
+from llama_mini.model import KVCache  # noqa: E402
+from llama_mini.quantize import quantize_model  # noqa: E402
 
-SIZES = {"15M": dict(dim=288, n_layers=6, n_heads=6), "110M": dict(dim=768, n_layers=12, n_heads=12)}
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+SIZES = {
+    "tiny": dict(dim=64, n_layers=2, n_heads=4, multiple_of=32),
+    "15M": dict(dim=288, n_layers=6, n_heads=6),
+    "110M": dict(dim=768, n_layers=12, n_heads=12),
+    "1B": dict(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, hidden_dim=5632),
+}
+VARIANTS = ("fp32", "bf16", "int8", "int4")  # llama_mini's
+TRANSFORMERS = {"fp32": torch.float32, "bf16": torch.bfloat16}
+LLAMA_CPP = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # the GGUF type of matching bytes per weight
+LLAMA2_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "llama2-tokenizer.model"
 
 
-def copy(n_bytes):
+def copy_runner(n_bytes):
     """A copy of n_bytes, to time next to generation: it moves 2 * n_bytes (read + write)."""
     src = torch.ones(n_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -40,21 +59,55 @@ def copy(n_bytes):
 
 
 def weight_bytes_per_token(model) -> int:
-    """Bytes of weights one decoding step reads: all but the embedding table, of which one row."""
+    """Bytes of weights one decoding step reads: every parameter and buffer (a quantized layer
+    holds only the layout its kernel reads), the embedding table aside, of which one row."""
+    tensors = [t for m in model.modules() if not isinstance(m, KVCache)
+               for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
     embedding = model.tok_embeddings.weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total - embedding.numel() * embedding.element_size() + embedding.shape[1] * embedding.element_size()
+    total = sum(t.numel() * t.element_size() for t in tensors)
+    return total - (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
 
 
-def build_pair(size, dtype):
-    torch.manual_seed(0)
-    ours = Transformer(ModelArgs(**SIZES[size], vocab_size=32000, max_seq_len=1024)).eval().to(dtype)
+def llama_mini_variants(base: Transformer) -> dict:
+    """fp32, bf16, int8 and int4 copies of base (int8 and int4 quantized from its fp32 weights)."""
+    bf16 = copy.deepcopy(base).to(torch.bfloat16)
+    return {"fp32": base, "bf16": bf16,
+            "int8": quantize_model(copy.deepcopy(base), "int8").to(torch.bfloat16),
+            "int4": quantize_model(copy.deepcopy(base), "int4").to(torch.bfloat16)}
+
+
+def transformers_model(base: Transformer, dtype):
     import transformers
 
-    config = transformers.LlamaConfig(**hf_config_from_args(ours.args))
-    theirs = transformers.LlamaForCausalLM(config).eval().to(dtype)
-    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.args), strict=False)
-    return ours, theirs
+    config = transformers.LlamaConfig(**hf_config_from_args(base.args))
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    theirs.load_state_dict(to_hf_state_dict(base.state_dict(), base.args), strict=False)
+    return theirs.to(dtype)
+
+
+def llama_cpp_models(base: Transformer, tokenizer, folder: Path, threads: int) -> dict:
+    """{variant: (llama_cpp.Llama, weight bytes per token)} on GGUF exports of base; {} without llama_cpp."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("llama_cpp is not importable: llama.cpp is left out (pip install llama-cpp-python)", file=sys.stderr)
+        return {}
+    if tokenizer is None or not Path(tokenizer).is_file():
+        print("no Llama-2 tokenizer.model (--tokenizer): llama.cpp is left out", file=sys.stderr)
+        return {}
+    import gguf
+    from llama_mini.gguf_export import export_gguf
+
+    models = {}
+    for variant, type in LLAMA_CPP.items():
+        path = export_gguf(base, folder / f"{type}.gguf", tokenizer, type)
+        tensors = gguf.GGUFReader(path).tensors
+        n_bytes = sum(int(t.n_bytes) for t in tensors)
+        embd = next(t for t in tensors if t.name == "token_embd.weight")
+        n_bytes -= int(embd.n_bytes) * (base.args.vocab_size - 1) // base.args.vocab_size
+        models[variant] = (llama_cpp.Llama(model_path=str(path), n_ctx=base.args.max_seq_len, n_threads=threads,
+                                           verbose=False), n_bytes)
+    return models
 
 
 def run_ours(model, prompt, n):
@@ -62,45 +115,82 @@ def run_ours(model, prompt, n):
 
 
 @torch.inference_mode()
-def run_theirs(model, prompt, n):
+def run_transformers(model, prompt, n):
     out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
-def measure(size, dtype_name, args):
-    ours, theirs = build_pair(size, DTYPES[dtype_name])
+def run_llama_cpp(llm, prompt, n):
+    out = []
+    for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+        out.append(token)
+        if len(out) == n:
+            return out
+    return out
+
+
+def runners(size, args, folder):
+    """{name: (run, weight bytes per token)} for every implementation and variant at this size."""
+    torch.manual_seed(0)
+    base = Transformer(ModelArgs(**SIZES[size], vocab_size=32000, max_seq_len=1024)).eval()
     prompt = [1] + torch.randint(3, 32000, (15,), generator=torch.Generator().manual_seed(0)).tolist()
-    runners = {"llama_mini": lambda: run_ours(ours, prompt, args.tokens), "transformers": lambda: run_theirs(theirs, prompt, args.tokens)}
-    if args.compile:
-        compiled = Transformer(ours.args).eval().to(DTYPES[dtype_name])
-        compiled.load_state_dict(ours.state_dict())
-        compiled.compile(dynamic=True)
-        runners["llama_mini+compile"] = lambda: run_ours(compiled, prompt, args.tokens)
-    n_bytes = weight_bytes_per_token(ours)
-    runners["copy"] = copy(n_bytes)
-    outputs = {name: run() for name, run in runners.items()}  # warm-up (and compilation)
-    times = {name: [] for name in runners}
-    for _ in range(args.rounds):
-        for name, run in runners.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    # Reading the weights once per token at the copy's rate takes half a copy's time.
-    limit_s = statistics.median(times.pop("copy")) / 2
-    bandwidth = 2 * n_bytes / (2 * limit_s)
+    out = {}
+    for variant, model in llama_mini_variants(base).items():
+        out[f"llama_mini {variant}"] = (lambda m=model: run_ours(m, prompt, args.tokens), weight_bytes_per_token(model))
+        if args.compile:
+            compiled = copy.deepcopy(model)
+            compiled.compile(dynamic=True)
+            out[f"llama_mini+compile {variant}"] = (lambda m=compiled: run_ours(m, prompt, args.tokens), weight_bytes_per_token(model))
+    for variant, dtype in TRANSFORMERS.items():
+        theirs = transformers_model(base, dtype)
+        out[f"transformers {variant}"] = (lambda m=theirs: run_transformers(m, prompt, args.tokens), weight_bytes_per_token(base) // (4 // dtype.itemsize))
+    for variant, (llm, n_bytes) in llama_cpp_models(base, args.tokenizer, folder, torch.get_num_threads()).items():
+        out[f"llama.cpp {LLAMA_CPP[variant]}"] = (lambda m=llm: run_llama_cpp(m, prompt, args.tokens), n_bytes)
+    out["copy"] = (copy_runner(weight_bytes_per_token(base)), weight_bytes_per_token(base))
+    return out
+
+
+def measure(size, args):
+    """Rows (name, tok/s, of bound, weight bytes, tokens) for one size, interleaved over rounds."""
+    with tempfile.TemporaryDirectory() as folder:
+        runs = runners(size, args, Path(folder))
+        tokens = {name: run() for name, (run, _) in runs.items()}  # warm-up (and compilation)
+        times = {name: [] for name in runs}
+        for _ in range(args.rounds):
+            for name, (run, _) in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+    copy_bytes = runs.pop("copy")[1]
+    bandwidth = 2 * copy_bytes / statistics.median(times.pop("copy"))  # bytes moved (read + write) per second
     rows = []
-    for name in times:
-        ratio = statistics.median(t_hf / t for t, t_hf in zip(times[name], times["transformers"]))
-        per_token = statistics.median(times[name]) / args.tokens
-        same = outputs[name] == outputs["transformers"]
-        rows.append((size, dtype_name, name, 1 / per_token, ratio, limit_s / per_token, n_bytes, bandwidth, same))
-    return rows
+    for name, (_, n_bytes) in runs.items():
+        tok_s = args.tokens / statistics.median(times[name])
+        rows.append((name, tok_s, tok_s / (bandwidth / n_bytes), n_bytes, tokens[name]))
+    return rows, bandwidth
 
 
-def profile(size, dtype_name, tokens):
+def print_size(size, rows, bandwidth):
+    by_name = {row[0]: row for row in rows}
+    reference = by_name["llama_mini fp32"][4]
+    print(f"\n{size}: copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'implementation':>24} {'tok/s':>8} {'of bound':>8} {'MB/token':>9} {'same tokens as llama_mini fp32':>31}")
+    for name, tok_s, share, n_bytes, tokens in rows:
+        same = sum(a == b for a, b in zip(tokens, reference))
+        print(f"{name:>24} {tok_s:8.1f} {share:8.0%} {n_bytes / 1e6:9.1f} {same:>27}/{len(reference)}")
+    print("ratios of tokens/s:")
+    for variant in VARIANTS:
+        ours = by_name[f"llama_mini {variant}"][1]
+        for other in (f"transformers {variant}", f"llama.cpp {LLAMA_CPP[variant]}", "llama_mini bf16"):
+            if other in by_name and other != f"llama_mini {variant}":
+                print(f"  llama_mini {variant} / {other}: {ours / by_name[other][1]:.2f}x")
+
+
+def profile(size, tokens):
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    ours, _ = build_pair(size, DTYPES[dtype_name])
+    torch.manual_seed(0)
+    ours = Transformer(ModelArgs(**SIZES[size], vocab_size=32000, max_seq_len=1024)).eval()
     run_ours(ours, [1, 2, 3], 8)
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         run_ours(ours, [1, 2, 3], tokens)
@@ -109,29 +199,25 @@ def profile(size, dtype_name, tokens):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", nargs="+", default=list(SIZES), choices=SIZES)
-    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES)
+    p.add_argument("--sizes", nargs="+", default=["110M", "1B"], choices=SIZES)
     p.add_argument("--tokens", type=int, default=128, help="new tokens per generate call")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="the tiny shape, 8 tokens, 1 round: checks that everything runs")
     p.add_argument("--compile", action="store_true", help="also time llama_mini under torch.compile")
-    p.add_argument("--profile", action="store_true", help="print a profile of llama_mini's decoding instead")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--profile", action="store_true", help="print a profile of llama_mini's fp32 decoding instead")
+    p.add_argument("--threads", type=int, help="torch and llama.cpp CPU threads (default: torch's choice)")
+    p.add_argument("--tokenizer", default=LLAMA2_TOKENIZER, help="Llama-2 tokenizer.model, for the GGUF export llama.cpp reads")
     args = p.parse_args()
+    if args.quick:
+        args.sizes, args.tokens, args.rounds = ["tiny"], 8, 1
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.profile:
-        return profile(args.sizes[0], args.dtypes[0], args.tokens)
-
+        return profile(args.sizes[0], args.tokens)
     print(f"CPU threads: {torch.get_num_threads()}, {args.tokens} new tokens after a 16-token prompt, median of {args.rounds} rounds")
-    print(f"{'model':>5} {'dtype':>5} {'implementation':>19} {'tok/s':>8} {'vs HF':>6} {'of BW limit':>11} {'same tokens':>11}   weights/token, copy bandwidth")
     for size in args.sizes:
-        for dtype_name in args.dtypes:
-            for size_, dt, name, tok_s, ratio, frac, n_bytes, bandwidth, same in measure(size, dtype_name, args):
-                print(
-                    f"{size_:>5} {dt:>5} {name:>19} {tok_s:8.1f} {ratio:5.2f}x {frac:10.0%} {str(same):>11}"
-                    f"   {n_bytes / 1e6:.0f} MB, {bandwidth / 1e9:.1f} GB/s",
-                    flush=True,
-                )
+        rows, bandwidth = measure(size, args)
+        print_size(size, rows, bandwidth)
 
 
 if __name__ == "__main__":

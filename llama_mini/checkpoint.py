@@ -37,6 +37,7 @@ from .hf import CONFIG_TYPES, args_from_hf_config, from_hf_state_dict, hf_config
 from .meta_shards import merge_meta_shards, split_meta_shards
 from .model import ModelArgs, Transformer, ffn_hidden_dim
 from .state_dict import build_model, check_layer_count, check_shape, tie_equal_heads
+from .quantize import quantize_model, read_quantization
 from .tokenizer import Tokenizer
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
@@ -110,13 +111,15 @@ def find_tokenizer(path):
     return None
 
 
-def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None) -> Transformer:
+def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None) -> Transformer:
     """Load a checkpoint folder of any supported format, or a llama2.c file. dtype=None keeps
     the stored dtype (one dtype for all: the embedding's, where the file mixes them).
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
-    is looked for next to the checkpoint when not given.
+    is looked for next to the checkpoint when not given. quantize ("int8" or "int4", see
+    llama_mini/quantize.py) stores the linear layers' weights as integers once loaded; a
+    checkpoint saved quantized loads quantized without it.
     """
     path = resolve_run_folder(path)
     fmt = detect_format(path)
@@ -127,16 +130,23 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
         args.tie_embeddings = True
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
-    return build_model(args, state, device=device, dtype=dtype)
+    config = read_json(path / CONFIG) if fmt == "native" else {}
+    stored = read_quantization(config["quantization"], path / CONFIG) if "quantization" in config else None
+    if stored is not None and quantize not in (None, stored["method"]):
+        raise ValueError(f"{path} is already quantized to {stored['method']}; load it without quantize, "
+                         f"or quantize its full-precision source to {quantize}")
+    model = build_model(args, state, device=device, dtype=dtype, quantization=stored)
+    return quantize_model(model, quantize) if quantize is not None and stored is None else model
 
 
 def _read_native(path: Path):
-    config = read_json(path / CONFIG)["llama_mini"]
+    fields = read_json(path / CONFIG)
+    config = fields["llama_mini"]
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
     # norm_impl: how RMSNorm runs, saved by older versions; now chosen when a model is built.
     args = model_args({k: v for k, v in config.items() if k != "norm_impl"}, path / CONFIG)
-    state = read_safetensors(path / WEIGHTS)
+    state = read_safetensors(path / WEIGHTS, quantized="quantization" in fields)
     if args.tie_embeddings and "tok_embeddings.weight" in state:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
@@ -241,6 +251,8 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     tokenizer_path, when given, is copied into the folder as tokenizer.model.
     """
     check_writable(model.args, format, shards, max_shard_bytes)  # before anything is created
+    if getattr(model, "quantization", None) and format != "native":
+        raise ValueError(f"a quantized model is saved in the native format only, not {format!r}; convert its full-precision source")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     if format == "native":
@@ -289,6 +301,8 @@ def _write_native(model: Transformer, path: Path) -> None:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
     _write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {"llama_mini": dataclasses.asdict(model.args)}
+    if getattr(model, "quantization", None):
+        config["quantization"] = model.quantization
     _write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
 
 

@@ -25,6 +25,7 @@ from .config_check import brief
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _SAFETENSORS_FLOATS = {"F16", "BF16", "F32", "F64"}
+_SAFETENSORS_CODES = {"I8", "U8"}  # a quantized checkpoint's integer weights (llama_mini/quantize.py)
 # A Llama config or shard index is a few kB (the index of a 405B model about 100 kB).
 MAX_JSON_BYTES = 16 * 2**20
 # torch.save's legacy (pre-1.6, non-zip) format starts with a pickled magic number.
@@ -69,15 +70,17 @@ def inside(folder: Path, name, source: Path) -> Path:
     return folder / name
 
 
-def read_safetensors(file: Path) -> dict:
-    """All tensors of a safetensors file, memory-mapped (read from disk when first used)."""
+def read_safetensors(file: Path, quantized: bool = False) -> dict:
+    """All tensors of a safetensors file, memory-mapped (read from disk when first used).
+    Weights are floats, or also int8/uint8 codes where the config says the model is quantized."""
+    allowed = _SAFETENSORS_FLOATS | (_SAFETENSORS_CODES if quantized else set())
     if not file.is_file():
         raise FileNotFoundError(f"{file} not found")
     try:
         with safe_open(file, framework="pt", device="cpu") as f:
             for key in f.keys():
                 dtype = f.get_slice(key).get_dtype()
-                if dtype not in _SAFETENSORS_FLOATS:
+                if dtype not in allowed:
                     raise ValueError(f"{file} stores tensor {key} as {dtype}; Llama weights are F16, BF16, F32 or F64")
             return {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as e:

@@ -10,6 +10,7 @@ import re
 import torch
 
 from .model import ModelArgs, Transformer
+from .quantize import empty_quantized_model, prepare_quantized
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")  # ours and Hugging Face's names
 
@@ -34,11 +35,12 @@ def tie_equal_heads(state: dict) -> bool:
     return True
 
 
-def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transformer:
-    """A Transformer holding exactly the tensors of state, checked by name and shape."""
+def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
+    """A Transformer holding exactly the tensors of state, checked by name and shape.
+    quantization (a stored record) builds the quantized layers the state holds instead."""
     check_layer_count(args, state)  # before building: a config may claim millions of layers
     with torch.device("meta"):
-        model = Transformer(args)
+        model = Transformer(args) if quantization is None else empty_quantized_model(args, quantization)
     expected = model.state_dict()
     missing = expected.keys() - state.keys()
     unexpected = state.keys() - expected.keys()
@@ -46,13 +48,14 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None) -> Transf
         raise ValueError(f"checkpoint does not fit the config: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
     for name, tensor in state.items():
         check_shape(name, tensor, expected[name])
-    dtypes = {tensor.dtype for tensor in state.values()}
+    dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
     if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
         dtype = state["tok_embeddings.weight"].dtype
     model.load_state_dict(state, assign=True)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    return model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device, dtype=dtype).eval()
+    return model if quantization is None else prepare_quantized(model)
 
 
 def check_layer_count(args: ModelArgs, names) -> None:

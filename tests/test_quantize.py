@@ -1,0 +1,237 @@
+"""Weight-only int8 / int4: error bounds, kernels against the reference path, a trained model's
+quality, and quantized checkpoints that load without their full-precision weights."""
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini import corpus, quantize
+from llama_mini.quantize import Int4Linear, Int8Linear, pack_nibbles, quantize_int4, quantize_int8, quantize_model
+from llama_mini.tokenizer import Tokenizer
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import train as train_cli  # noqa: E402
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def lopsided_weight(out_features, in_features, seed=0):
+    """Rows of very different ranges, groups shifted off zero, a few outliers: what trained layers look like."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * torch.logspace(-2, 0, out_features)[:, None]
+    w += 0.05 * torch.rand(out_features, 1, generator=g)
+    w[0, 5] = 3.0
+    return w
+
+
+# --- Quantizers ------------------------------------------------------------------------------
+
+
+def test_int8_known_answer():
+    codes, scales = quantize_int8(torch.tensor([[1.27, -0.5, 0.0], [0.0, 0.0, 0.0]]))
+    assert scales[0].item() == pytest.approx(0.01)
+    assert codes.tolist() == [[127, -50, 0], [0, 0, 0]]  # an all-zero row stays zero, without dividing by 0
+
+
+def test_int8_error_is_at_most_half_a_step_of_its_row():
+    w = lopsided_weight(64, 96)
+    layer = Int8Linear.from_weight(w)
+    error = (layer.dequantize() - w).abs()
+    assert (error <= layer.scales[:, None] / 2 * (1 + 1e-5)).all()
+    assert layer.weight.abs().amax(1).eq(127).all()  # each row uses its full range
+
+
+def test_int4_known_answer_spans_each_group_from_min_to_max():
+    w = torch.linspace(-1.0, 2.0, 32)[None]  # one group, 16 levels 0.2 apart from -1 to 2
+    codes, scales, zeros = quantize_int4(w, 32)
+    assert scales.item() == pytest.approx(0.2)
+    assert zeros.item() == pytest.approx(0.6)  # the value code 8 stands for: -1 + 8 * 0.2
+    assert codes[0, 0].item() == 0 and codes[0, -1].item() == 15
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_is_at_most_half_a_step_of_its_group(group_size):
+    w = lopsided_weight(32, 256)
+    layer = Int4Linear.from_weight(w, group_size)
+    step = layer.group_scales_and_zeros()[0].repeat_interleave(group_size, dim=1)
+    assert ((layer.dequantize() - w).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+def test_nibbles_pack_even_inputs_low():
+    assert pack_nibbles(torch.tensor([[1, 2, 3, 4]], dtype=torch.uint8)).tolist() == [[0x21, 0x43]]
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(quantize.unpack_nibbles(pack_nibbles(codes)), codes)
+
+
+def test_bad_group_size_is_one_clear_line():
+    with pytest.raises(ValueError, match="group size must be one of 32, 64, 128"):
+        Int4Linear.from_weight(torch.randn(16, 96), 48)
+    with pytest.raises(ValueError, match="96 is not"):
+        Int4Linear.from_weight(torch.randn(16, 96), 64)
+
+
+# --- Layers: torch's kernels against the reference path ---------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_equals_the_dequantized_reference(dtype):
+    w = lopsided_weight(48, 64).to(dtype)
+    x = torch.randn(2, 3, 64).to(dtype)
+    layer = Int8Linear.from_weight(w)
+    expected = F.linear(x.float(), layer.dequantize().float())
+    torch.testing.assert_close(layer(x).float(), expected, **tolerance(dtype))
+    torch.testing.assert_close(Int8Linear.from_weight(w, impl="reference")(x).float(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_features", [48, 40])  # 40: not a multiple of 16, so the reference path runs
+def test_int4_linear_equals_the_dequantized_reference(dtype, out_features):
+    w = lopsided_weight(out_features, 128).to(dtype)
+    x = torch.randn(2, 3, 128).to(dtype)
+    layer = Int4Linear.from_weight(w, 32)
+    kernel = hasattr(torch, "_weight_int4pack_mm_for_cpu") and out_features % 16 == 0
+    assert (layer.packed is not None) == kernel  # the kernel runs where it can: this is not reference vs reference
+    torch.testing.assert_close(layer(x).float(), F.linear(x.float(), layer.dequantize().float()), **tolerance(dtype))
+
+
+def test_int4_layer_on_the_kernel_keeps_one_copy_and_saves_its_codes_exactly():
+    if not hasattr(torch, "_convert_weight_to_int4pack_for_cpu"):
+        pytest.skip("this torch has no int4 CPU kernel")
+    w = lopsided_weight(48, 384)  # 384 inputs: two chunks of the read-back
+    layer = Int4Linear.from_weight(w, 64)
+    assert layer.weight is None and layer.packed is not None
+    codes, scales, zeros = quantize_int4(w, 64)
+    state = layer.state_dict()
+    assert torch.equal(state["weight"], pack_nibbles(codes))
+    assert torch.equal(state["scales"], scales) and torch.equal(state["zeros"], zeros)
+
+
+def tolerance(dtype):
+    return dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+
+
+# --- A trained model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """train.py's default model (dim 192, 4 layers, 6 heads, tied 2048-token vocabulary), trained
+    briefly on the built-in stories: 150 steps of 8 x 128 tokens, enough to write them fluently."""
+    tmp = tmp_path_factory.mktemp("trained")
+    data = tmp / "stories.txt"
+    data.write_text("\n\n".join(corpus.stories(400_000, seed=3)), encoding="utf-8")
+    argv = ["--data", data, "--out", tmp / "run", "--cache-dir", tmp / "cache", "--device", "cpu", "--max-steps", 150,
+            "--batch-size", 8, "--seq-len", 128, "--warmup-steps", 15, "--eval-every", 1000, "--save-every", 1000,
+            "--sample-tokens", 0]
+    assert train_cli.main([str(a) for a in argv]) == 0
+    held_out = "\n\n".join(corpus.stories(30_000, seed=99))  # stories the model never saw
+    tokenizer = Tokenizer(tmp / "run" / "tokenizer.model")
+    return tmp / "run", torch.tensor([tokenizer.encode(held_out)])
+
+
+def perplexity(model, tokens, window=128):
+    losses = [F.cross_entropy(model(chunk[:, :-1])[0], chunk[0, 1:]) for chunk in tokens.split(window + 1, dim=1)
+              if chunk.shape[1] > 1]
+    return math.exp(torch.stack(losses).mean().item())
+
+
+@torch.no_grad()
+def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_is_unchanged(trained):
+    run, tokens = trained
+    model, q = load_checkpoint(run), load_checkpoint(run, quantize="int8")
+    x = tokens[:, :128]
+    logits, q_logits = model(x), q(x)
+    spread = logits.amax(-1) - logits.amin(-1)
+    assert ((q_logits - logits).abs().amax(-1) <= 0.01 * spread).all()
+    prompt = x[0, :8].tolist()
+    assert generate(q, [prompt], 100, temperature=0) == generate(model, [prompt], 100, temperature=0)
+
+
+@torch.no_grad()
+def test_int4_validation_perplexity_within_3_percent_of_fp32(trained):
+    run, tokens = trained
+    fp32 = perplexity(load_checkpoint(run), tokens)
+    int4 = perplexity(load_checkpoint(run, quantize="int4"), tokens)
+    assert fp32 < 40  # the model learned the stories (a uniform guess is 2048)
+    assert abs(int4 / fp32 - 1) <= 0.03, (fp32, int4)
+
+
+def test_every_linear_is_quantized_the_head_to_int8_and_the_embedding_kept(trained):
+    model = load_checkpoint(trained[0], quantize="int4")
+    assert isinstance(model.output, Int8Linear)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [] and sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * model.args.n_layers
+
+
+def test_generate_cli_quantizes_at_load_and_decodes_what_the_quantized_model_does(trained):
+    run, _ = trained
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(run), "--quantize", "int4", "--prompt",
+                             "Once upon a time", "--max-new-tokens", "30", "--temperature", "0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer(run / "tokenizer.model")
+    prompt = tokenizer.encode("Once upon a time")
+    new = generate(load_checkpoint(run, quantize="int4"), [prompt], 30, temperature=0, eos_id=tokenizer.eos_id)[0]
+    assert result.stdout == tokenizer.decode(prompt + new) + "\n"
+    # 2.16M trained, plus the head's own 2048 x 192 int8 copy of the tied embedding
+    assert "2.6M parameters, torch.float32 with int4 weights" in result.stderr
+
+
+# --- Quantized checkpoints ------------------------------------------------------------------
+
+
+def convert(*args):
+    return subprocess.run([sys.executable, "-m", "llama_mini.convert", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_convert_then_load_equals_quantize_at_load_bit_for_bit(trained, tmp_path, method):
+    run, tokens = trained
+    result = convert(run, tmp_path / "q", "--to", "native", "--quantize", method)
+    assert result.returncode == 0, result.stderr
+    saved, at_load = load_checkpoint(tmp_path / "q"), load_checkpoint(run, quantize=method)
+    assert saved.state_dict().keys() == at_load.state_dict().keys()
+    for name, tensor in at_load.state_dict().items():
+        assert torch.equal(saved.state_dict()[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(saved(tokens[:, :64]), at_load(tokens[:, :64]))
+    assert (tmp_path / "q" / "tokenizer.model").is_file()
+
+
+def test_a_quantized_checkpoint_loads_without_building_full_precision_layers(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
+    save_checkpoint(quantize_model(model, "int4"), tmp_path)
+    for name in ("quantize_int8", "quantize_int4"):  # loading must read the stored codes, not quantize
+        monkeypatch.setattr(quantize, name, lambda *a, **k: pytest.fail("quantized at load"))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.quantization == {"method": "int4", "group_size": 32}
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_a_quantized_checkpoint_refuses_other_formats_and_another_quantization(tmp_path):
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
+    quantize_model(model, "int8")
+    with pytest.raises(ValueError, match="native format only"):
+        save_checkpoint(model, tmp_path / "hf", format="hf")
+    save_checkpoint(model, tmp_path / "q")
+    with pytest.raises(ValueError, match="already quantized to int8"):
+        load_checkpoint(tmp_path / "q", quantize="int4")
+    assert isinstance(load_checkpoint(tmp_path / "q", quantize="int8").output, Int8Linear)
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8, int4"):
+        quantize_model(Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128)), "int3")
