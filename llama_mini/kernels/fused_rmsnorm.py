@@ -12,7 +12,7 @@ like:
   it, once per machine, source and torch version (rmsnorm_build.py), and loaded with
   torch.ops.load_library.
 - CUDA: Meta's formula under torch.compile; Inductor emits one Triton kernel each way.
-  (Not measured: no GPU was available when this was written.)
+  (Not yet measured on a GPU.)
 
 The CPU forward pass is Meta's result bit for bit: it rounds where Meta's code rounds
 (x * rstd to the input dtype, then the product with the weight) and adds the squares in the
