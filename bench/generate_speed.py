@@ -16,7 +16,7 @@ memory bandwidth bounds tokens/s at bandwidth / weight bytes. The bandwidth is m
 the same rounds by copying as many bytes as the fp32 weights hold (bytes read + bytes written
 per second), and each result is printed as a share of its own bound ("of bound").
 
-    python bench/generate_speed.py --sizes 110M 1B     # the comparison of issue 15
+    python bench/generate_speed.py --sizes 110M 1B     # against llama.cpp at the same bytes per weight
     python bench/generate_speed.py --quick             # a tiny shape, 1 round: checks that it all runs
     python bench/generate_speed.py --compile           # llama_mini with torch.compile as well
     python bench/generate_speed.py --profile           # where a decoding step's time goes
