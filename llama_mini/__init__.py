@@ -1,4 +1,4 @@
-"""llama_mini: a compact, exact Llama-2 model codebase."""
+"""llama_mini: a compact, exact Llama model codebase (Llama-2, Llama-3.x, llama2.c)."""
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .generation import generate
