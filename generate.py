@@ -20,6 +20,7 @@ from llama_mini.checkpoint import DTYPES, detect_format, find_tokenizer, resolve
 from llama_mini.cli import run_main
 from llama_mini.device import pick_device
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
+from llama_mini.kernels import use_matvec
 from llama_mini.quantize import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizer import Tokenizer
 
@@ -162,6 +163,8 @@ def main(argv=None) -> None:
     )
     if args.compile:
         model.compile(dynamic=True)
+    elif device.type == "cpu":
+        use_matvec(model)
 
     if args.chat:
         return chat(model, tokenizer, args)

@@ -8,8 +8,10 @@ llama-cpp-python is installed, runs the same weights exported through llama_mini
 as F32, BF16, Q8_0 and Q4_0; the export needs the Llama-2 tokenizer.model (--tokenizer).
 
 Every implementation runs once per round, in the same order, round after round, so the load
-from other processes falls on all alike; figures are medians over rounds. Each generate call
-reads a 16-token prompt, then decodes --tokens tokens.
+from other processes falls on all alike; figures are medians over rounds. Each round times a
+generate call that reads a 16-token prompt and decodes --tokens tokens, and one that decodes
+a single token: their difference is the decoding phase alone (llama.cpp keeps the prompt's
+cache between calls, the others read the prompt again; the difference is fair to both).
 
 Decoding one token reads every weight once (the embedding table aside: one row), so the
 memory bandwidth bounds tokens/s at bandwidth / weight bytes. The bandwidth is measured in
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
 from llama_mini.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
+from llama_mini.kernels import use_matvec  # noqa: E402
 from llama_mini.model import KVCache  # noqa: E402
 from llama_mini.quantize import quantize_model  # noqa: E402
 
@@ -51,7 +54,10 @@ LLAMA_CPP = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # t
 LLAMA2_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "llama2-tokenizer.model"
 
 
-def copy_runner(n_bytes):
+COPY_BYTES = 1 << 29  # far past the last-level cache, and small beside the models
+
+
+def copy_runner(n_bytes=COPY_BYTES):
     """A copy of n_bytes, to time next to generation: it moves 2 * n_bytes (read + write)."""
     src = torch.ones(n_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
@@ -69,11 +75,13 @@ def weight_bytes_per_token(model) -> int:
 
 
 def llama_mini_variants(base: Transformer) -> dict:
-    """fp32, bf16, int8 and int4 copies of base (int8 and int4 quantized from its fp32 weights)."""
-    bf16 = copy.deepcopy(base).to(torch.bfloat16)
-    return {"fp32": base, "bf16": bf16,
-            "int8": quantize_model(copy.deepcopy(base), "int8").to(torch.bfloat16),
-            "int4": quantize_model(copy.deepcopy(base), "int4").to(torch.bfloat16)}
+    """fp32 (base itself), bf16, int8 and int4 (quantized from base's fp32 weights) models, on
+    the decoding kernels, as generate.py runs them. No more copies than that: at 1B, every
+    implementation's models together nearly fill a 24 GiB machine."""
+    variants = {"bf16": copy.deepcopy(base).to(torch.bfloat16),
+                "int8": quantize_model(copy.deepcopy(base), "int8").to(torch.bfloat16),
+                "int4": quantize_model(copy.deepcopy(base), "int4").to(torch.bfloat16)}
+    return {name: use_matvec(model) for name, model in {"fp32": base, **variants}.items()}
 
 
 def transformers_model(base: Transformer, dtype):
@@ -130,42 +138,50 @@ def run_llama_cpp(llm, prompt, n):
 
 
 def runners(size, args, folder):
-    """{name: (run, weight bytes per token)} for every implementation and variant at this size."""
+    """{name: (run(n), weight bytes per token)} for every implementation and variant at this size."""
     torch.manual_seed(0)
     base = Transformer(ModelArgs(**SIZES[size], vocab_size=32000, max_seq_len=1024)).eval()
     prompt = [1] + torch.randint(3, 32000, (15,), generator=torch.Generator().manual_seed(0)).tolist()
     out = {}
     for variant, model in llama_mini_variants(base).items():
-        out[f"llama_mini {variant}"] = (lambda m=model: run_ours(m, prompt, args.tokens), weight_bytes_per_token(model))
+        out[f"llama_mini {variant}"] = (lambda n, m=model: run_ours(m, prompt, n), weight_bytes_per_token(model))
         if args.compile:
             compiled = copy.deepcopy(model)
             compiled.compile(dynamic=True)
-            out[f"llama_mini+compile {variant}"] = (lambda m=compiled: run_ours(m, prompt, args.tokens), weight_bytes_per_token(model))
+            out[f"llama_mini+compile {variant}"] = (lambda n, m=compiled: run_ours(m, prompt, n), weight_bytes_per_token(model))
     for variant, dtype in TRANSFORMERS.items():
         theirs = transformers_model(base, dtype)
-        out[f"transformers {variant}"] = (lambda m=theirs: run_transformers(m, prompt, args.tokens), weight_bytes_per_token(base) // (4 // dtype.itemsize))
+        out[f"transformers {variant}"] = (lambda n, m=theirs: run_transformers(m, prompt, n), weight_bytes_per_token(base) // (4 // dtype.itemsize))
     for variant, (llm, n_bytes) in llama_cpp_models(base, args.tokenizer, folder, torch.get_num_threads()).items():
-        out[f"llama.cpp {LLAMA_CPP[variant]}"] = (lambda m=llm: run_llama_cpp(m, prompt, args.tokens), n_bytes)
-    out["copy"] = (copy_runner(weight_bytes_per_token(base)), weight_bytes_per_token(base))
+        out[f"llama.cpp {LLAMA_CPP[variant]}"] = (lambda n, m=llm: run_llama_cpp(m, prompt, n), n_bytes)
     return out
 
 
+def timed(run, n) -> float:
+    start = time.perf_counter()
+    run(n)
+    return time.perf_counter() - start
+
+
 def measure(size, args):
-    """Rows (name, tok/s, of bound, weight bytes, tokens) for one size, interleaved over rounds."""
+    """Rows (name, decoding tok/s, of bound, weight bytes, tokens) for one size, interleaved over rounds."""
     with tempfile.TemporaryDirectory() as folder:
+        copy = copy_runner()
+        copy()  # its pages are touched before any timing
         runs = runners(size, args, Path(folder))
-        tokens = {name: run() for name, (run, _) in runs.items()}  # warm-up (and compilation)
-        times = {name: [] for name in runs}
+        tokens = {name: run(args.tokens) for name, (run, _) in runs.items()}  # warm-up (and compilation)
+        times = {name: ([], []) for name in runs}
+        copy_times = []
         for _ in range(args.rounds):
             for name, (run, _) in runs.items():
-                start = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - start)
-    copy_bytes = runs.pop("copy")[1]
-    bandwidth = 2 * copy_bytes / statistics.median(times.pop("copy"))  # bytes moved (read + write) per second
+                times[name][0].append(timed(run, args.tokens))
+                times[name][1].append(timed(run, 1))
+            copy_times.append(timed(lambda n: copy(), 0))
+    bandwidth = 2 * COPY_BYTES / statistics.median(copy_times)  # bytes moved (read + write) per second
     rows = []
     for name, (_, n_bytes) in runs.items():
-        tok_s = args.tokens / statistics.median(times[name])
+        decoding = statistics.median(times[name][0]) - statistics.median(times[name][1])
+        tok_s = (args.tokens - 1) / decoding
         rows.append((name, tok_s, tok_s / (bandwidth / n_bytes), n_bytes, tokens[name]))
     return rows, bandwidth
 

@@ -10,9 +10,12 @@ skip_data() lays out the file around uninitialised storages, and the tensors are
 filled one at a time through a shared memory map of the file itself.
 
 Target: peak RSS <= 1.25 x the file size, so that 7B fits a 24 GiB machine. Two loads are
-timed: cold (the file's pages dropped from the page cache first) and warm.
+timed: cold (the file's pages dropped from the page cache first) and warm. With --quantize,
+the checkpoint is first converted as a user converts it (python -m llama_mini.convert ...
+--quantize int8), and the quantized checkpoint's loads are measured against its own file.
 
     python bench/load_memory.py                       # writes to a temporary folder, deletes it after
+    python bench/load_memory.py --quantize int8       # the same, then its int8 conversion
     python bench/load_memory.py --folder /data/7b --keep
 """
 
@@ -32,6 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint  # noqa: E402
+from llama_mini.quantize import QUANTIZATIONS, parameter_count  # noqa: E402
 
 FIXTURE_TOKENIZER = Path("/work/shared/fixtures/llama2-tokenizer.model")
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
@@ -88,14 +92,15 @@ def child(folder: str, prompt_len: int) -> None:
     start = time.perf_counter()
     model = load_checkpoint(folder)
     loaded = time.perf_counter()
+    quantization = getattr(model, "quantization", None)
     rss_after_load = proc_status("VmRSS")
     prompt = [1] + list(range(100, 100 + prompt_len - 1))
     token = generate(model, [prompt], 1, temperature=0)[0]
     first = time.perf_counter()
     print(json.dumps({
         "load_s": loaded - start, "first_token_s": first - start, "rss_after_load": rss_after_load,
-        "peak_rss": proc_status("VmHWM"), "dtype": str(model.output.weight.dtype), "token": token,
-        "params": sum(p.numel() for p in model.parameters()),
+        "peak_rss": proc_status("VmHWM"), "token": token, "params": parameter_count(model),
+        "dtype": quantization["method"] if quantization else str(model.output.weight.dtype),
     }))
 
 
@@ -104,11 +109,35 @@ def drop_from_page_cache(file: Path) -> None:
         os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
 
+def measure_loads(folder: Path, file: Path, prompt_len: int) -> None:
+    """Load folder in fresh processes, cold then warm, and print peak memory against file's size."""
+    size = file.stat().st_size
+    print(f"{file.name}: {size / 2**30:.2f} GiB")
+    for label in ("cold", "warm"):
+        available = meminfo("MemAvailable")
+        if available < 1.25 * size + (1 << 30):
+            sys.exit(f"error: only {available / 2**30:.1f} GiB of memory is available; loading needs about {1.25 * size / 2**30:.1f} GiB")
+        if label == "cold":
+            drop_from_page_cache(file)
+        result = subprocess.run(
+            [sys.executable, __file__, "--child", str(folder), "--prompt-len", str(prompt_len)],
+            capture_output=True, text=True, check=True,
+        )
+        r = json.loads(result.stdout.strip().splitlines()[-1])
+        print(
+            f"{label}: {r['params'] / 1e9:.2f}B parameters ({r['dtype']}), load {r['load_s']:.1f}s, "
+            f"first token after {r['first_token_s']:.1f}s ({prompt_len}-token prompt); "
+            f"RSS after load {r['rss_after_load'] / 2**30:.2f} GiB, peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
+            f"= {r['peak_rss'] / size:.2f} x file size (target <= 1.25)"
+        )
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--folder", help="where to write the checkpoint (default: a temporary folder)")
     p.add_argument("--keep", action="store_true", help="keep the checkpoint afterwards")
     p.add_argument("--prompt-len", type=int, default=8)
+    p.add_argument("--quantize", choices=QUANTIZATIONS, help="also convert the checkpoint to int8 or int4 and measure its loads")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -125,25 +154,15 @@ def main():
             start = time.perf_counter()
             write_checkpoint(folder)
             print(f"wrote {file} in {time.perf_counter() - start:.0f}s")
-        size = file.stat().st_size
-        print(f"file size: {size / 2**30:.2f} GiB")
-        for label in ("cold", "warm"):
-            available = meminfo("MemAvailable")
-            if available < 1.25 * size + (1 << 30):
-                sys.exit(f"error: only {available / 2**30:.1f} GiB of memory is available; loading needs about {1.25 * size / 2**30:.1f} GiB")
-            if label == "cold":
-                drop_from_page_cache(file)
-            result = subprocess.run(
-                [sys.executable, __file__, "--child", str(folder), "--prompt-len", str(args.prompt_len)],
-                capture_output=True, text=True, check=True,
-            )
-            r = json.loads(result.stdout.strip().splitlines()[-1])
-            print(
-                f"{label}: {r['params'] / 1e9:.2f}B parameters ({r['dtype']}), load {r['load_s']:.1f}s, "
-                f"first token after {r['first_token_s']:.1f}s ({args.prompt_len}-token prompt); "
-                f"RSS after load {r['rss_after_load'] / 2**30:.2f} GiB, peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
-                f"= {r['peak_rss'] / size:.2f} x file size (target <= 1.25)"
-            )
+        measure_loads(folder, file, args.prompt_len)
+        if args.quantize:
+            quantized = folder / args.quantize
+            if not quantized.is_dir():
+                start = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "llama_mini.convert", str(folder), str(quantized), "--to", "native",
+                                "--quantize", args.quantize], check=True, cwd=Path(__file__).resolve().parents[1])
+                print(f"converted to {args.quantize} in {time.perf_counter() - start:.0f}s: {quantized}")
+            measure_loads(quantized, quantized / "model.safetensors", args.prompt_len)
     finally:
         if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)

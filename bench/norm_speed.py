@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini import RMSNorm  # noqa: E402
-from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, rmsnorm_build  # noqa: E402
+from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, build  # noqa: E402
 
 EPS = 1e-5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -129,10 +129,10 @@ def bench_shape(tokens, dim, dtype, device, rounds):
 def report_kernel(rebuild: bool) -> None:
     """Say what the CPU kernel cost to get: a compile now, or a load from the cache."""
     try:
-        cached = rmsnorm_build.library_path().is_file() and not rebuild
+        cached = build.library_path().is_file() and not rebuild
         start = time.perf_counter()
         if not cached:
-            rmsnorm_build.build(force=True)
+            build.build(force=True)
         built = time.perf_counter() - start
     except RuntimeError as e:
         sys.exit(f"error: fused RMSNorm kernel unavailable: {e}")
@@ -141,7 +141,7 @@ def report_kernel(rebuild: bool) -> None:
         sys.exit(f"error: fused RMSNorm kernel unavailable: {why}")
     ready = time.perf_counter() - start
     how = "loaded from the cache" if cached else f"compiled in {built:.2f} s (once per machine; cached)"
-    print(f"fused kernel {how}, ready in {ready:.2f} s: {rmsnorm_build.library_path()}")
+    print(f"fused kernel {how}, ready in {ready:.2f} s: {build.library_path()}")
     print(f"summation order reproduces torch's (bitwise Meta forward): {kernel.bitwise_meta}")
 
 

@@ -7,7 +7,7 @@ names are Meta's, so a Meta state dict loads by key.
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -167,31 +167,30 @@ def scale_rope_frequencies(freqs, args: ModelArgs):
 
 
 def rope_cos_sin(args: ModelArgs, start_pos: int, seq_len: int, device=None):
-    """cos and sin of the rotation angles pos * freq_i for positions start_pos ..
-    start_pos + seq_len - 1: float32 tables of shape (seq_len, head_dim // 2).
+    """The rotation for positions start_pos .. start_pos + seq_len - 1, as two float32 tables
+    of shape (seq_len, 1, head_dim // 2, 2): cos of the angles pos * freq_i twice, and
+    (-sin, sin) of them, laid out for apply_rotary_emb.
 
     Meta precomputes these for the whole context as complex numbers (freqs_cis). Computing
     them for the positions of each forward costs little and keeps memory proportional to the
     context actually used (a 128K-context model generating 50 tokens needs 50 rows), always
-    in float32 whatever the model's dtype; real cos/sin tables also compile better than
-    complex ones (Inductor and Triton do not handle complex tensors).
+    in float32 whatever the model's dtype; real tables also compile better than complex ones
+    (Inductor and Triton do not handle complex tensors).
     """
     t = torch.arange(start_pos, start_pos + seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, rope_frequencies(args, device))
-    return freqs.cos(), freqs.sin()
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.stack((cos, cos), dim=-1)[:, None], torch.stack((-sin, sin), dim=-1)[:, None]
 
 
 def apply_rotary_emb(x, cos, sin):
-    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by angle pos * freq_i.
-
-    x: (B, T, heads, head_dim); cos, sin: (T, head_dim // 2). Computed in float32 like
-    Meta's complex multiply, then cast back.
-    """
-    xf = x.float().unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    return out.flatten(-2).type_as(x)
+    """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by angle pos * freq_i:
+    (x0 cos - x1 sin, x1 cos + x0 sin), the real form of Meta's complex multiply, in float32,
+    then cast back. x: (B, T, heads, head_dim); cos, sin from rope_cos_sin. Five operations
+    (a decoding step runs this twice per layer, where each operation's dispatch outweighs its
+    arithmetic)."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    return (pairs * cos + pairs.flip(-1) * sin).flatten(-2).type_as(x)
 
 
 # --- Attention ---------------------------------------------------------------------------
@@ -238,12 +237,21 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.cache: Optional[KVCache] = None  # set by Transformer.setup_cache for decoding
+        # Optional: a decoding step's attention (RoPE, the cache write, attention) in one call,
+        # (q, k, v, cache, cos, sin, start_pos) -> out (B, 1, heads, head_dim), or None where it
+        # cannot run. kernels.use_matvec sets one: on a CPU a decoding step is so small that the
+        # thirty-odd eager operations below cost more than its arithmetic.
+        self.decode_step: Optional[Callable] = None
 
     def forward(self, x, cos, sin, start_pos: int = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
+        if T == 1 and self.cache is not None and self.decode_step is not None:
+            out = self.decode_step(q, k, v, self.cache, cos, sin, start_pos)
+            if out is not None:
+                return self.wo(out.view(B, 1, -1))
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
 

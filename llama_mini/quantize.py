@@ -6,37 +6,36 @@ model's dtype; only the weights are stored as integers with floating-point scale
 
 - int8: symmetric, one scale per output row: w ~= q * scale, q in [-127, 127]. Rows of a
   trained Llama differ in range far more than the values within one row do, so one scale per
-  row loses little (the quality tests bound it), and it is what torch's _weight_int8pack_mm reads.
+  row loses little (the quality tests bound it).
 - int4: groups of `group_size` consecutive inputs of a row (default 32, llama.cpp's Q4_0 block),
   asymmetric: w ~= (q - 8) * scale + zero, q in [0, 15], where zero is the value code 8 stands
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
-  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters; it is also
-  the convention of torch's _weight_int4pack_mm_for_cpu, so no conversion is needed.
+  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters. Codes,
+  scales and zeros are held, and saved, in the layout the kernel reads (kernels/matvec.py: rows
+  in interleaved sets of eight), so loading is a plain read.
 
 The token embedding stays in the model's dtype: a decoding step reads one of its rows, so
 quantizing it saves memory but no time. The output head is int8 under both methods: it is the
 largest matrix of a small model and the one whose errors reach the logits undamped (llama.cpp
 likewise keeps the head at higher precision in its Q4 files).
 
-Each layer has a reference path (dequantize, then F.linear) that the tests use as the known
-answer, and that runs where torch's kernel is missing or the shape does not fit it.
+A decoding step (a few rows of activations) runs the kernels of kernels/matvec.py, which round
+the activations to int8 in blocks of 32 and multiply integers, as llama.cpp does. Longer inputs
+run torch's int8 kernel, or dequantize; `impl="reference"` always dequantizes, then F.linear:
+the known answer the tests hold the kernels to.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernels.matvec import ROW_SET, deinterleave_rows, interleave_rows, operators_for, pack_int4, unpack_int4
 from .model import Transformer
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
-_INT4_KERNEL_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs out_features divisible by this
-
-
-def _kernel(name):
-    """torch's CPU operator `name`, or None on a build without it (the reference path runs)."""
-    return getattr(torch, name, None)
+INT4_LAYOUT = "rows-of-8"  # recorded with int4 checkpoints: how codes, scales and zeros are laid out
 
 
 class Int8Linear(nn.Module):
@@ -58,79 +57,46 @@ class Int8Linear(nn.Module):
         return (self.weight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
 
     def forward(self, x):
-        mm = _kernel("_weight_int8pack_mm")
-        if self.impl == "reference" or mm is None or x.dtype != self.scales.dtype or x.device.type != "cpu":
-            return F.linear(x, self.dequantize().to(x.dtype))
-        return mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        if self.impl != "reference":
+            ops = operators_for(x, self.scales) if self.in_features % 32 == 0 else None
+            if ops is not None:
+                return ops.matvec_int8(x, self.weight, self.scales)
+            mm = getattr(torch, "_weight_int8pack_mm", None)  # torch's, for longer inputs
+            if mm is not None and x.dtype == self.scales.dtype and x.device.type == "cpu":
+                return mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+        return F.linear(x, self.dequantize().to(x.dtype))
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T with W stored as 4-bit codes in groups along the input, each with a scale and a zero.
-
-    `weight` (saved) holds two codes per byte, the even input in the low nibble: a layout of our
-    own, the same on every machine. torch's kernel wants its own layout, which depends on the
-    CPU's instruction set, so prepare() derives `packed` from `weight` at load and then drops
-    `weight`, keeping one copy of the weights in memory; state_dict() rebuilds it from `packed`.
-    Likewise the kernel reads scales and zeros interleaved (`scales_and_zeros`), built once
-    rather than on every call.
-    """
+    """y = x W^T with W stored as 4-bit codes in groups along the input, each with a scale and a zero."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                  dtype=torch.float32, device=None, impl: str = "auto"):
         super().__init__()
-        check_int4_shape(in_features, group_size)
+        check_int4_shape(in_features, out_features, group_size)
         self.in_features, self.out_features, self.group_size, self.impl = in_features, out_features, group_size, impl
-        groups = in_features // group_size
-        self.register_buffer("weight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, groups, dtype=dtype, device=device))
-        self.register_buffer("zeros", torch.empty(out_features, groups, dtype=dtype, device=device))
-        self.register_buffer("packed", None, persistent=False)  # the kernel's layout, set by prepare()
-        self.register_buffer("scales_and_zeros", None, persistent=False)  # (groups, out_features, 2), likewise
-        self.register_state_dict_post_hook(_save_codes)
+        sets, groups = out_features // ROW_SET, in_features // group_size
+        self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, impl: str = "auto") -> "Int4Linear":
         layer = cls(weight.shape[1], weight.shape[0], group_size, weight.dtype, weight.device, impl)
-        codes, layer.scales, layer.zeros = quantize_int4(weight, group_size)
-        layer.weight = pack_nibbles(codes)
-        return layer.prepare()
-
-    def prepare(self) -> "Int4Linear":
-        """Repack the codes for torch's kernel where it exists and the shape fits it."""
-        convert = _kernel("_convert_weight_to_int4pack_for_cpu")
-        usable = self.impl != "reference" and convert is not None and _kernel("_weight_int4pack_mm_for_cpu") is not None
-        if usable and self.out_features % _INT4_KERNEL_N_MULTIPLE == 0 and self.weight.device.type == "cpu":
-            self.packed = convert(unpack_nibbles(self.weight).to(torch.int32), 2)
-            self.scales_and_zeros = torch.stack((self.scales.t(), self.zeros.t()), dim=-1).contiguous()
-            self.weight = self.scales = self.zeros = None
-        return self
-
-    def group_scales_and_zeros(self):
-        """(scales, zeros), each (out_features, groups), from whichever layout is held."""
-        if self.scales is not None:
-            return self.scales, self.zeros
-        return self.scales_and_zeros[..., 0].t(), self.scales_and_zeros[..., 1].t()
+        codes, scales, zeros = quantize_int4(weight, group_size)
+        layer.weight, layer.scales, layer.zeros = pack_int4(codes), interleave_rows(scales), interleave_rows(zeros)
+        return layer
 
     def codes(self) -> torch.Tensor:
-        """The codes 0..15 as uint8 (out_features, in_features), from whichever layout is held."""
-        return unpack_nibbles(self.weight) if self.weight is not None else self._codes_from_kernel()
+        """The codes 0..15 as uint8 (out_features, in_features)."""
+        return unpack_int4(self.weight)
 
-    @torch.no_grad()
-    def _codes_from_kernel(self, rows: int = 256) -> torch.Tensor:
-        """Read the codes back out of the kernel's layout, exactly: with every scale 1 and every
-        zero 8 the kernel computes (q - 8) * 1 + 8 = q, so unit vectors in give the codes out."""
-        groups = self.in_features // self.group_size
-        scale_one_zero_eight = torch.tensor([1.0, 8.0]).expand(groups, self.out_features, 2).contiguous()
-        columns = []
-        for start in range(0, self.in_features, rows):
-            n = min(rows, self.in_features - start)
-            unit = torch.zeros(n, self.in_features)
-            unit[torch.arange(n), torch.arange(start, start + n)] = 1.0
-            columns.append(torch._weight_int4pack_mm_for_cpu(unit, self.packed, self.group_size, scale_one_zero_eight))
-        return torch.cat(columns).t().round().to(torch.uint8)
+    def group_scales_and_zeros(self):
+        """(scales, zeros), each (out_features, groups)."""
+        return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
 
     def dequantize(self) -> torch.Tensor:
         scales, zeros = self.group_scales_and_zeros()
@@ -139,28 +105,22 @@ class Int4Linear(nn.Module):
         return w.flatten(-2).to(scales.dtype)
 
     def forward(self, x):
-        if self.packed is None:
+        ops = operators_for(x, self.scales) if self.impl != "reference" else None
+        if ops is None:
             return F.linear(x, self.dequantize().to(x.dtype))
-        scales_and_zeros = self.scales_and_zeros.to(x.dtype)  # a no-op unless the model's dtype changed since
-        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]), self.packed, self.group_size, scales_and_zeros)
-        return y.view(*x.shape[:-1], self.out_features)
+        return ops.matvec_int4(x, self.weight, self.scales, self.zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
 
 
-def _save_codes(module: Int4Linear, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: a prepared layer holds only the kernel's layouts; save ours."""
-    if module.weight is None:
-        state_dict[prefix + "weight"] = pack_nibbles(module.codes())
-        state_dict[prefix + "scales"], state_dict[prefix + "zeros"] = (t.contiguous() for t in module.group_scales_and_zeros())
-
-
-def check_int4_shape(in_features: int, group_size: int) -> None:
+def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
     if in_features % group_size:
         raise ValueError(f"int4 needs every input size divisible by the group size {group_size}; {in_features} is not (use --group-size 32)")
+    if out_features % ROW_SET:
+        raise ValueError(f"int4 needs every output size divisible by {ROW_SET}; {out_features} is not (use int8)")
 
 
 # --- Quantizers (float weights -> codes and scales) --------------------------------------
@@ -185,13 +145,6 @@ def quantize_int4(weight: torch.Tensor, group_size: int):
     return codes.clamp(0, 15).to(torch.uint8).flatten(-2), scales, zeros
 
 
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 (..., n) -> (..., n // 2) bytes: even index in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
 
 
 # --- The model -----------------------------------------------------------------------------
@@ -219,7 +172,7 @@ def quantize_model(model: Transformer, method: str, group_size: int = DEFAULT_GR
     # The head is now a matrix of its own, no longer the embedding table: say so, so that the
     # config saved with these tensors describes them.
     model.args.tie_embeddings = False
-    model.quantization = {"method": method, "group_size": group_size}
+    model.quantization = quantization_record(method, group_size)
     return model
 
 
@@ -235,14 +188,6 @@ def empty_quantized_model(args, quantization: dict, impl: str = "auto") -> Trans
         else:
             setattr(parent, name, Int4Linear(linear.in_features, linear.out_features, group_size, impl=impl))
     model.quantization = dict(quantization)
-    return model
-
-
-def prepare_quantized(model: Transformer) -> Transformer:
-    """After the stored tensors were assigned: derive the kernels' layouts."""
-    for module in model.modules():
-        if isinstance(module, Int4Linear):
-            module.prepare()
     return model
 
 
@@ -264,4 +209,12 @@ def read_quantization(record, source) -> dict:
     group_size = record.get("group_size", DEFAULT_GROUP_SIZE)
     if record["method"] == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"{source}: int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
-    return {"method": record["method"], "group_size": group_size}
+    if record["method"] == "int4" and record.get("layout") != INT4_LAYOUT:
+        raise ValueError(f"{source} holds int4 codes in an older layout; convert the checkpoint again from its source")
+    return quantization_record(record["method"], group_size)
+
+
+def quantization_record(method: str, group_size: int) -> dict:
+    """What config.json says of a quantized checkpoint."""
+    record = {"method": method, "group_size": group_size}
+    return record | {"layout": INT4_LAYOUT} if method == "int4" else record

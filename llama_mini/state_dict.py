@@ -10,7 +10,7 @@ import re
 import torch
 
 from .model import ModelArgs, Transformer
-from .quantize import empty_quantized_model, prepare_quantized
+from .quantize import empty_quantized_model
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")  # ours and Hugging Face's names
 
@@ -55,7 +55,7 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
     model = model.to(device=device, dtype=dtype).eval()
-    return model if quantization is None else prepare_quantized(model)
+    return model
 
 
 def check_layer_count(args: ModelArgs, names) -> None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
-from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, rmsnorm_build
+from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, build
 from llama_mini.model import build_norm
 
 EPS = 1e-5
@@ -254,20 +254,20 @@ def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkey
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 42; }\n')
-    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
-    first = rmsnorm_build.build()
+    monkeypatch.setattr(build, "SOURCES", [small])
+    first = build.build()
     assert first.parent == tmp_path and ctypes.CDLL(str(first)).answer() == 42
-    assert capsys.readouterr().err == rmsnorm_build.BUILD_NOTICE + "\n"  # one line, before compiling
+    assert capsys.readouterr().err == build.BUILD_NOTICE + "\n"  # one line, before compiling
     mtime = first.stat().st_mtime_ns
-    assert rmsnorm_build.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
+    assert build.build() == first and first.stat().st_mtime_ns == mtime  # no second compile
     assert capsys.readouterr().err == ""  # loading from the cache is silent
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 43; }\n')
-    assert rmsnorm_build.build() != first  # a changed source is a new binary
+    assert build.build() != first  # a changed source is a new binary
     bad = tmp_path / "bad.cpp"
     bad.write_text("this is not C++\n")
-    monkeypatch.setattr(rmsnorm_build, "SOURCES", [bad])
+    monkeypatch.setattr(build, "SOURCES", [bad])
     with pytest.raises(RuntimeError, match="failed on bad.cpp: .*error"):
-        rmsnorm_build.build()
+        build.build()
     assert len(list(tmp_path.glob("*.so"))) == 2 and not list(tmp_path.glob(".*"))  # no half-written binary left
 
 
@@ -276,13 +276,13 @@ def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 7; }\n')
-    monkeypatch.setattr(rmsnorm_build, "SOURCES", [small])
+    monkeypatch.setattr(build, "SOURCES", [small])
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{int(finished.stdout)}"  # its process is gone
-    running = tmp_path / f".rms_norm-0123456789abcdef.so.tmp-{os.getpid()}"  # a build in progress
+    killed = tmp_path / f".cpu_kernels-0123456789abcdef.so.tmp-{int(finished.stdout)}"  # its process is gone
+    running = tmp_path / f".cpu_kernels-0123456789abcdef.so.tmp-{os.getpid()}"  # a build in progress
     killed.write_bytes(b"half a binary")
     running.write_bytes(b"half a binary")
-    rmsnorm_build.build()
+    build.build()
     assert not killed.exists() and running.exists()
 
 
@@ -303,7 +303,7 @@ def test_import_loads_no_compiler_machinery_and_a_cached_kernel_loads_silently()
     assert result.stderr == expected
 
 
-@pytest.mark.parametrize("importer", ["rmsnorm_build._torch_flags()", "import torch.utils.cpp_extension"])
+@pytest.mark.parametrize("importer", ["build._torch_flags()", "import torch.utils.cpp_extension"])
 def test_compiling_keeps_cpp_extensions_import_time_notices_from_the_user(importer):
     """A CUDA build of torch on a machine without CUDA logs "No CUDA runtime is found" when
     cpp_extension is imported; the build imports it without letting that through."""
@@ -312,7 +312,7 @@ def test_compiling_keeps_cpp_extensions_import_time_notices_from_the_user(import
         "torch.cuda._is_compiled, torch.version.cuda = (lambda: True), '12.0'  # a CUDA build of torch\n"
         "torch.cuda.is_available = lambda: False  # on a machine without a GPU\n"
         "os.environ['CUDA_HOME'] = os.getcwd()\n"
-        f"from llama_mini.kernels import rmsnorm_build\n{importer}\n"
+        f"from llama_mini.kernels import build\n{importer}\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr
@@ -359,7 +359,7 @@ def test_large_outputs_written_by_streaming_stores_equal_the_reference(fresh_out
     (kernels/csrc/rms_norm.cpp): into fresh memory and into memory already in use alike. Width
     4099 puts most rows off the vector alignment, so the copy's head and tail run too."""
     kernel = fused_rmsnorm.cpu_kernel()[0]
-    library = ctypes.CDLL(str(rmsnorm_build.library_path()))  # the loaded operator's own kernels, by their C ABI
+    library = ctypes.CDLL(str(build.library_path()))  # the loaded operator's own kernels, by their C ABI
     rows, dim = 2048, 4099  # 33.6 MB of float32 per output
     g = torch.Generator().manual_seed(0)
     x, dy = torch.randn(rows, dim, generator=g) * 3, torch.randn(rows, dim, generator=g)

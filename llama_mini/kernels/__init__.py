@@ -1,10 +1,13 @@
-"""Optional fused kernels, each a drop-in subclass of a model.py module.
+"""Optional CPU kernels, each behind a drop-in subclass of a torch or model.py module.
 
-model.build_norm imports this package only when a fused implementation is asked for, so
-`import llama_mini` never compiles or loads anything. Removing a kernel is one commit:
-delete its files here and the lines of build_norm that import it.
+- fused_rmsnorm: RMSNorm in one pass over memory (model.build_norm picks it).
+- matvec: the matrix-vector products of decoding (use_matvec, and the quantized layers).
+
+Both compile into one library, once per machine, the first time a model uses them (build.py);
+importing them compiles and loads nothing.
 """
 
 from .fused_rmsnorm import FusedRMSNorm, fused_rms_norm
+from .matvec import MatvecLinear, use_matvec
 
-__all__ = ["FusedRMSNorm", "fused_rms_norm"]
+__all__ = ["FusedRMSNorm", "MatvecLinear", "fused_rms_norm", "use_matvec"]

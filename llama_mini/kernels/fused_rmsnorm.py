@@ -9,8 +9,7 @@ like:
 
 - CPU: the torch operator `llama_mini::rms_norm` (`csrc/rms_norm_op.cpp`, with its autograd
   node in C++) over the kernels of `csrc/rms_norm.cpp`. Compiled when a model first asks for
-  it, once per machine, source and torch version (rmsnorm_build.py), and loaded with
-  torch.ops.load_library.
+  it, once per machine, source and torch version, and loaded into torch (build.py).
 - CUDA: Meta's formula under torch.compile; Inductor emits one Triton kernel each way.
   (Not yet measured on a GPU.)
 
@@ -29,7 +28,7 @@ import subprocess
 import torch
 
 from ..model import RMSNorm
-from .rmsnorm_build import build
+from . import build
 
 # (input dtype, weight dtype) pairs the CPU kernel implements (csrc/rms_norm.h); the output
 # dtype is their promotion, as in Meta's `type_as(x) * weight`. Other pairs use the reference.
@@ -134,17 +133,12 @@ def _cuda_fusable() -> bool:
 
 @functools.cache
 def cpu_kernel():
-    """The loaded and self-checked CPU kernel as (CpuKernel, None), or (None, why not).
-
-    Loaded after torch, so the kernel's OpenMP calls bind to the libgomp torch already
-    holds and both share one thread pool. Cached: at most one build and one load per
-    process (an operator's name can be registered with torch only once).
-    """
+    """The loaded and self-checked CPU kernel as (CpuKernel, None), or (None, why not)."""
     try:
         # A model built on the meta device (load_checkpoint) asks for the kernel too, and
         # the checks below need real tensors; the first use may also be inside no_grad.
         with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
-            torch.ops.load_library(str(build()))
+            build.load()
             kernel = CpuKernel()
             kernel.calibrate()
             _self_check(kernel)

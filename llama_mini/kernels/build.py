@@ -1,10 +1,12 @@
-"""Compiling the fused RMSNorm's CPU operator, once per machine, into a cache.
+"""Compiling and loading the CPU operators (fused RMSNorm, decoding matrix-vector products).
 
-The sources in csrc/ are compiled with the system C++ compiler against the headers and
+The sources in csrc/ are compiled, once per machine, into one library with the system C++ compiler against the headers and
 libraries inside torch's wheel (no ninja, no Python headers), into ~/.cache/llama_mini
-($LLAMA_MINI_CACHE to move it), under a name that hashes everything the binary depends on.
+($LLAMA_MINI_CACHE to move it), under a name that hashes everything the binary depends on,
+and loaded into torch.ops.llama_mini once per process.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -20,13 +22,14 @@ import torch
 from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "rms_norm.cpp", CSRC / "rms_norm_op.cpp"]
-HEADERS = [CSRC / "rms_norm.h"]
+SOURCES = [CSRC / "rms_norm.cpp", CSRC / "rms_norm_op.cpp", CSRC / "matvec.cpp", CSRC / "matvec_op.cpp"]
+HEADERS = [CSRC / "rms_norm.h", CSRC / "matvec.h"]
+LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):
     # gcc's default of 256-bit vectors leaves half of an AVX-512 register idle in these loops.
     CXX_FLAGS.append("-mprefer-vector-width=512")
-BUILD_NOTICE = "llama_mini: compiling the fused RMSNorm kernel, once per machine (up to a minute)"
+BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (up to a minute)"
 
 
 def cache_dir() -> Path:
@@ -90,11 +93,22 @@ def _build_key(cxx: str) -> str:
 
 def library_path() -> Path:
     """Where the binary for these sources, compiler, torch and CPU is (or will be) cached."""
-    return cache_dir() / f"rms_norm-{_build_key(_compiler())}.so"
+    return cache_dir() / f"{LIBRARY}-{_build_key(_compiler())}.so"
+
+
+@functools.cache
+def load() -> None:
+    """Build (once per machine) and load (once per process) the operators into torch.ops.llama_mini.
+
+    Loaded after torch, so the kernels' OpenMP calls bind to the libgomp torch already holds
+    and all share one thread pool. An operator's name can be registered with torch only once,
+    hence once per process; a failure raises and is not remembered.
+    """
+    torch.ops.load_library(str(build()))
 
 
 def build(force: bool = False) -> Path:
-    """Compile the CPU operator unless a binary for these sources, compiler, torch and CPU
+    """Compile the CPU operators unless a binary for these sources, compiler, torch and CPU
     is cached; return the shared library's path.
 
     Says so on one line of stderr before compiling; loading from the cache is silent. The
@@ -125,7 +139,7 @@ def _remove_killed_builds(folder: Path) -> None:
     whose process is gone: a killed build cannot clean up after itself."""
     if os.name != "posix":
         return
-    for tmp in folder.glob(".rms_norm-*.tmp-*"):
+    for tmp in folder.glob(f".{LIBRARY}-*.tmp-*"):
         pid = tmp.name.rpartition("-")[2]
         if pid.isdigit() and int(pid) > 0 and not _process_alive(int(pid)):
             tmp.unlink(missing_ok=True)

@@ -1,0 +1,202 @@
+"""The decoding kernels (llama_mini/kernels/matvec.py): each operator against a float64 known
+answer, the attention step against the model's own code, and a model on the kernels against
+transformers and through generate.py."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini.kernels import MatvecLinear, matvec, use_matvec
+from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
+from generate_cli_helpers import LLAMA2_TOKENIZER, run
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = matvec.operators()
+    if ops is None:
+        pytest.skip("no matrix-vector kernels on this machine (they need x86-64 with AVX2 and FMA)")
+    return ops
+
+
+def close(got, expected, dtype):
+    """Within float32 summation-order error, or one bfloat16 rounding of the output."""
+    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(got.double(), expected, **tolerance)
+
+
+# --- Operators against float64 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 4, 16), (1, 37, 200), (3, 64, 768), (16, 9, 40)])  # tails of rows and inputs
+@pytest.mark.parametrize("threads", [1, 2])
+def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
+    y = ops.matvec_dense(x, w)
+    assert y.dtype == dtype and y.shape == (rows, n)
+    close(y, x.double() @ w.double().t(), dtype)
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtype):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 2048, generator=g).to(dtype)
+    x[0, 7] = 40.0  # one outlier: only its own block's scale grows
+    w = torch.randint(-127, 128, (300, 2048), generator=g, dtype=torch.int8)
+    scales = (torch.rand(300, generator=g) * 1e-2).to(dtype)
+    expected = matvec.quantized_activations(x).double() @ (w.double() * scales.double()[:, None]).t()
+    close(ops.matvec_int8(x, w, scales), expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_matches_float64(ops, dtype, group_size):
+    g = torch.Generator().manual_seed(group_size)
+    x = torch.randn(2, 768, generator=g).to(dtype)
+    codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
+    groups = 768 // group_size
+    scales, zeros = (torch.rand(48, groups, generator=g) * 1e-2).to(dtype), (torch.randn(48, groups, generator=g) * 1e-2).to(dtype)
+    w = ((codes.double() - 8).unflatten(-1, (groups, group_size)) * scales.double()[..., None] + zeros.double()[..., None]).flatten(-2)
+    y = ops.matvec_int4(x, matvec.pack_int4(codes), matvec.interleave_rows(scales), matvec.interleave_rows(zeros))
+    close(y, matvec.quantized_activations(x).double() @ w.t(), dtype)
+
+
+def test_activations_round_to_nearest_in_their_block():
+    x = torch.tensor([[127.0, 63.5, -1.0, 0.49] + [0.0] * 28 + [2.0] + [0.0] * 31])
+    q = matvec.quantized_activations(x)
+    assert q[0, :4].tolist() == [127.0, 64.0, -1.0, 0.0]  # scale 1: 63.5 ties to even, 0.49 to 0
+    assert q[0, 32].item() == 2.0 and q[0, 33:].abs().sum() == 0  # the second block has its own scale
+
+
+def test_wrong_shapes_are_refused_by_the_operators(ops):
+    with pytest.raises(RuntimeError, match="input of shape"):
+        ops.matvec_dense(torch.randn(1, 10), torch.randn(4, 12))
+    with pytest.raises(RuntimeError, match="multiple of 32 inputs"):
+        ops.matvec_int8(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
+
+
+# --- A decoding step's attention -------------------------------------------------------------------
+
+
+def reference_step(q, k, v, cache, cos, sin, position):
+    """model.py's path: rotate, store in the cache, attend with SDPA (float64)."""
+    q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+    keys, values = cache.update(position, k.transpose(1, 2), v.transpose(1, 2))
+    repeat = q.shape[2] // k.shape[2]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double().repeat_interleave(repeat, 1),
+                                         values.double().repeat_interleave(repeat, 1))
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 16), (2, 1, 128)])
+def test_decode_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim):
+    args = ModelArgs(dim=heads * head_dim, n_heads=heads, n_kv_heads=kv_heads, vocab_size=8, max_seq_len=64)
+    g = torch.Generator().manual_seed(heads + head_dim)
+    ours, theirs = (KVCache(2, 40, kv_heads, head_dim, "cpu", dtype) for _ in range(2))
+    for cache in (ours, theirs):  # earlier positions, the same in both
+        cache.k[:, :, :20] = torch.randn(2, kv_heads, 20, head_dim, generator=g).to(dtype)
+        cache.v[:, :, :20] = torch.randn(2, kv_heads, 20, head_dim, generator=g).to(dtype)
+        g.manual_seed(heads + head_dim)
+    for position in (0, 20, 39):
+        q = torch.randn(2, 1, heads, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(2, 1, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+        cos, sin = rope_cos_sin(args, position, 1)
+        got = matvec.decode_attention(q, k, v, ours, cos, sin, position)
+        expected = reference_step(q, k, v, theirs, cos, sin, position)
+        assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)  # RoPE and the write, exactly
+        assert got.shape == (2, 1, heads, head_dim) and got.dtype == dtype
+        close(got, expected, dtype)
+
+
+def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
+    cache = KVCache(1, 4, 2, 16, "cpu", torch.float32)
+    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
+    cos, sin = rope_cos_sin(ModelArgs(dim=32, n_heads=2, vocab_size=8), 4, 1)
+    assert matvec.decode_attention(q, k, k, cache, cos, sin, 4) is None  # KVCache.update then raises
+
+
+# --- A model on the kernels ------------------------------------------------------------------------
+
+
+def tiny_model(seed=0, **overrides):
+    torch.manual_seed(seed)
+    fields = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=256)
+    return Transformer(ModelArgs(**{**fields, **overrides})).eval()
+
+
+def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
+    model = tiny_model()
+    weights = {name: p.data_ptr() for name, p in model.named_parameters()}
+    use_matvec(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is MatvecLinear for m in linears)
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights  # shared, not copied
+    assert all(layer.attention.decode_step is matvec.decode_attention for layer in model.layers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype):
+    reference = tiny_model().to(dtype)
+    fast = use_matvec(copy.deepcopy(reference))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for model in (reference, fast):
+            model.setup_cache(2, 24)
+        steps = [(tokens[:, :8], 0)] + [(tokens[:, p:p + 1], p) for p in range(8, 24)]  # a prompt, then 16 steps
+        for chunk, position in steps:
+            expected, got = reference(chunk, position), fast(chunk, position)
+            spread = (expected.amax(-1) - expected.amin(-1)).max()
+            assert (got - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * spread
+
+
+def test_training_and_long_prompts_run_torchs_kernels():
+    """Gradients flow through a MatvecLinear (torch's F.linear runs), and a prompt longer than
+    MAX_ROWS rows is one matrix-matrix product."""
+    layer = use_matvec(torch.nn.Sequential(torch.nn.Linear(32, 8, bias=False)))[0]
+    x = torch.randn(1, 3, 32, requires_grad=True)
+    layer(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.inference_mode():
+        long = torch.randn(1, matvec.MAX_ROWS + 1, 32)
+        torch.testing.assert_close(layer(long), F.linear(long, layer.weight), rtol=0, atol=0)
+
+
+def test_greedy_decoding_on_the_kernels_equals_transformers(ops):
+    transformers = pytest.importorskip("transformers")
+    from llama_mini.hf import hf_config_from_args, to_hf_state_dict
+
+    ours = tiny_model(seed=0)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_from_args(ours.args))).eval()
+    theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.args), strict=False)
+    theirs.generation_config.eos_token_id = None  # token 2 is an ordinary token here: nothing stops or is suppressed
+    prompt = [1, 17, 42, 99, 5]
+    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert generate(use_matvec(ours), [prompt], 60, temperature=0)[0] == expected[0, len(prompt):].tolist()
+
+
+def test_generate_cli_decodes_on_the_kernels_what_the_model_does(ops, tmp_path):
+    """generate.py runs use_matvec: its sampled text is generate()'s on a model on the kernels."""
+    from llama_mini.tokenizer import Tokenizer
+
+    fixture = LLAMA2_TOKENIZER
+    if not fixture.is_file():
+        pytest.skip("the Llama-2 tokenizer fixture is absent")
+    model = tiny_model(seed=4, vocab_size=32000, dim=128, n_heads=4, n_kv_heads=4)
+    save_checkpoint(model, tmp_path, tokenizer_path=fixture)
+    result = run("--ckpt", tmp_path, "--prompt", "Hello", "--max-new-tokens", 40, "--seed", 7)
+    assert result.returncode == 0, result.stderr
+    tokenizer = Tokenizer(fixture)
+    prompt = tokenizer.encode("Hello")
+    fast = use_matvec(load_checkpoint(tmp_path))
+    new = generate(fast, [prompt], 40, temperature=0.6, top_p=0.9, eos_id=tokenizer.stop_ids, seed=7)[0]
+    assert result.stdout == tokenizer.decode(prompt + new) + "\n"
