@@ -288,17 +288,18 @@ def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path
 
 def test_import_loads_no_compiler_machinery_and_a_cached_kernel_loads_silently():
     """import llama_mini never imports torch.utils.cpp_extension (nor setuptools, which
-    print on some machines); building a model with the cached kernel prints nothing."""
+    print on some machines) and loads no kernel library; building a model with the cached
+    kernel prints nothing."""
     code = (
-        "import sys, llama_mini\n"
-        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools', 'llama_mini.kernels') if m in sys.modules))\n"
+        "import sys, torch, llama_mini\n"
+        "print(sorted(m for m in ('torch.utils.cpp_extension', 'setuptools') if m in sys.modules), sorted(torch.ops.loaded_libraries))\n"
         "llama_mini.Transformer(llama_mini.ModelArgs(dim=32, n_layers=1, n_heads=4, vocab_size=8))\n"
         "print('torch.utils.cpp_extension' in sys.modules)\n"
     )
     fused_rmsnorm.cpu_kernel()  # the kernel is in the cache (where it builds at all)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[1])
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[:2] == ["[]", "False"]
+    assert result.stdout.split("\n")[:2] == ["[] []", "False"]
     expected = "" if fused_rmsnorm.cpu_kernel()[0] else f"llama_mini: fused RMSNorm unavailable ({fused_rmsnorm.cpu_kernel()[1]}); using the reference implementation\n"
     assert result.stderr == expected
 
