@@ -154,12 +154,13 @@ def test_rope_tables_cover_the_positions_used_not_the_whole_context():
     assert not list(model.buffers())
     tokens = torch.randint(0, model.args.vocab_size, (1, 5))
     (cos,) = rope_tables_seen(model, tokens)
-    assert cos.shape == (5, model.args.head_dim // 2)
+    assert cos.shape == (5, 1, model.args.head_dim // 2, 2)  # (positions, heads, pairs, each of a pair)
     model.setup_cache(batch_size=1, max_seq_len=20)
     (later,) = rope_tables_seen(model, tokens[:, :3], start_pos=5)
-    assert later.shape == (3, model.args.head_dim // 2)
+    assert later.shape == (3, 1, model.args.head_dim // 2, 2)
     freqs = rope_frequencies(model.args)
-    assert torch.equal(later, torch.outer(torch.arange(5.0, 8.0), freqs).cos())  # positions 5, 6, 7
+    expected = torch.outer(torch.arange(5.0, 8.0), freqs).cos()  # positions 5, 6, 7
+    assert torch.equal(later[:, 0, :, 0], expected) and torch.equal(later[:, 0, :, 1], expected)
 
 
 @pytest.mark.parametrize(
