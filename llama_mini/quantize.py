@@ -118,7 +118,8 @@ def check_int4_shape(in_features: int, out_features: int, group_size: int) -> No
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
     if in_features % group_size:
-        raise ValueError(f"int4 needs every input size divisible by the group size {group_size}; {in_features} is not (use --group-size 32)")
+        fix = "use int8" if in_features % DEFAULT_GROUP_SIZE else f"use group size {DEFAULT_GROUP_SIZE}"
+        raise ValueError(f"int4 needs every input size divisible by the group size {group_size}; {in_features} is not ({fix})")
     if out_features % ROW_SET:
         raise ValueError(f"int4 needs every output size divisible by {ROW_SET}; {out_features} is not (use int8)")
 

@@ -86,8 +86,10 @@ def test_int4_layout_interleaves_sets_of_eight_rows():
 def test_bad_group_size_is_one_clear_line():
     with pytest.raises(ValueError, match="group size must be one of 32, 64, 128"):
         Int4Linear.from_weight(torch.randn(16, 96), 48)
-    with pytest.raises(ValueError, match="96 is not"):
+    with pytest.raises(ValueError, match=r"96 is not \(use group size 32\)"):
         Int4Linear.from_weight(torch.randn(16, 96), 64)
+    with pytest.raises(ValueError, match=r"group size 32; 36 is not \(use int8\)"):
+        Int4Linear.from_weight(torch.randn(16, 36), 32)
     with pytest.raises(ValueError, match="every output size divisible by 8; 12 is not"):
         Int4Linear.from_weight(torch.randn(12, 96), 32)
 
