@@ -237,21 +237,12 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.cache: Optional[KVCache] = None  # set by Transformer.setup_cache for decoding
-        # Optional: a decoding step's attention (RoPE, the cache write, attention) in one call,
-        # (q, k, v, cache, cos, sin, start_pos) -> out (B, 1, heads, head_dim), or None where it
-        # cannot run. kernels.use_matvec sets one: on a CPU a decoding step is so small that the
-        # thirty-odd eager operations below cost more than its arithmetic.
-        self.decode_step: Optional[Callable] = None
 
     def forward(self, x, cos, sin, start_pos: int = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        if T == 1 and self.cache is not None and self.decode_step is not None:
-            out = self.decode_step(q, k, v, self.cache, cos, sin, start_pos)
-            if out is not None:
-                return self.wo(out.view(B, 1, -1))
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
 
@@ -314,8 +305,17 @@ class TransformerBlock(nn.Module):
         self.feed_forward = FeedForward(args)
         self.attention_norm = build_norm(args, norm_impl)
         self.ffn_norm = build_norm(args, norm_impl)
+        # Optional: a decoding step of this block in one call, (block, x, cos, sin, start_pos) ->
+        # the block's output, or None where it cannot run. kernels.use_matvec sets one: on a CPU
+        # a decoding step is so small that the thirty-odd eager calls below cost as much as its
+        # arithmetic.
+        self.decode_step: Optional[Callable] = None
 
     def forward(self, x, cos, sin, start_pos: int = 0):
+        if self.decode_step is not None and x.shape[1] == 1 and self.attention.cache is not None:
+            out = self.decode_step(self, x, cos, sin, start_pos)
+            if out is not None:
+                return out
         h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 

@@ -10,9 +10,11 @@ model's dtype; only the weights are stored as integers with floating-point scale
 - int4: groups of `group_size` consecutive inputs of a row (default 32, llama.cpp's Q4_0 block),
   asymmetric: w ~= (q - 8) * scale + zero, q in [0, 15], where zero is the value code 8 stands
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
-  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters. Codes,
-  scales and zeros are held, and saved, in the layout the kernel reads (kernels/matvec.py: rows
-  in interleaved sets of eight), so loading is a plain read.
+  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters.
+
+Codes, scales and zeros are held, and saved, in the layout the kernels read (kernels/matvec.py:
+rows in interleaved sets of eight), so loading is a plain read. int8 rows saved plain (before
+that layout) are put in it as they load (upgrade_int8_layout).
 
 The token embedding stays in the model's dtype: a decoding step reads one of its rows, so
 quantizing it saves memory but no time. The output head is int8 under both methods: it is the
@@ -29,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernels.matvec import ROW_SET, deinterleave_rows, interleave_rows, operators_for, pack_int4, unpack_int4
+from .kernels.matvec import (ROW_SET, deinterleave_rows, interleave_rows, operators_for, pack_int4, pack_int8, unpack_int4,
+                             unpack_int8)
 from .model import Transformer
 
 QUANTIZATIONS = ("int8", "int4")
@@ -39,32 +42,48 @@ INT4_LAYOUT = "rows-of-8"  # recorded with int4 checkpoints: how codes, scales a
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T with W stored as int8 rows and one scale per row (scales in the model's dtype)."""
+    """y = x W^T with W stored as int8 rows and one scale per row (scales in the model's dtype).
+
+    Rows are held, and saved, in the kernel's layout (interleaved sets of eight) where the
+    kernel takes the shape: out_features % 8 == 0 and in_features % 32 == 0, every matrix of a
+    Llama. Other shapes keep plain rows and run torch's kernels.
+    """
 
     def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None, impl: str = "auto"):
         super().__init__()
         self.in_features, self.out_features, self.impl = in_features, out_features, impl
-        self.register_buffer("weight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.rows_of_8 = out_features % ROW_SET == 0 and in_features % 32 == 0
+        shape = (out_features // ROW_SET, ROW_SET * in_features) if self.rows_of_8 else (out_features, in_features)
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=device))
         self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, impl: str = "auto") -> "Int8Linear":
         layer = cls(weight.shape[1], weight.shape[0], weight.dtype, weight.device, impl)
-        layer.weight, layer.scales = quantize_int8(weight)
+        codes, layer.scales = quantize_int8(weight)
+        layer.weight = pack_int8(codes) if layer.rows_of_8 else codes
         return layer
 
+    def codes(self) -> torch.Tensor:
+        """The codes as int8 (out_features, in_features)."""
+        return unpack_int8(self.weight) if self.rows_of_8 else self.weight
+
     def dequantize(self) -> torch.Tensor:
-        return (self.weight.float() * self.scales.float()[:, None]).to(self.scales.dtype)
+        return (self.codes().float() * self.scales.float()[:, None]).to(self.scales.dtype)
 
     def forward(self, x):
         if self.impl != "reference":
-            ops = operators_for(x, self.scales) if self.in_features % 32 == 0 else None
+            ops = operators_for(x, self.scales) if self.rows_of_8 else None
             if ops is not None:
                 return ops.matvec_int8(x, self.weight, self.scales)
             mm = getattr(torch, "_weight_int8pack_mm", None)  # torch's, for longer inputs
             if mm is not None and x.dtype == self.scales.dtype and x.device.type == "cpu":
-                return mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales).view(*x.shape[:-1], self.out_features)
+                return mm(x.reshape(-1, x.shape[-1]), self.codes(), self.scales).view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dequantize().to(x.dtype))
+
+    def kernel_operands(self):
+        """(weight, scales, zeros) as kernels.matvec.decode_layer passes them, or None."""
+        return (self.weight, self.scales, None) if self.impl != "reference" and self.rows_of_8 else None
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
@@ -109,6 +128,10 @@ class Int4Linear(nn.Module):
         if ops is None:
             return F.linear(x, self.dequantize().to(x.dtype))
         return ops.matvec_int4(x, self.weight, self.scales, self.zeros)
+
+    def kernel_operands(self):
+        """(weight, scales, zeros) as kernels.matvec.decode_layer passes them, or None."""
+        return None if self.impl == "reference" else (self.weight, self.scales, self.zeros)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
@@ -175,6 +198,16 @@ def quantize_model(model: Transformer, method: str, group_size: int = DEFAULT_GR
     model.args.tie_embeddings = False
     model.quantization = quantization_record(method, group_size)
     return model
+
+
+def upgrade_int8_layout(state: dict, expected: dict) -> None:
+    """Put int8 rows that state holds plain, (out, in), in the kernel's layout where expected
+    (an empty model's state dict) has it, (out / 8, 8 in); in place, one matrix at a time."""
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tensor.dtype == want.dtype == torch.int8 and want.dim() == 2:
+            if tuple(tensor.shape) == (want.shape[0] * ROW_SET, want.shape[1] // ROW_SET):
+                state[name] = pack_int8(tensor)
 
 
 def empty_quantized_model(args, quantization: dict, impl: str = "auto") -> Transformer:

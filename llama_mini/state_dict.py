@@ -10,7 +10,7 @@ import re
 import torch
 
 from .model import ModelArgs, Transformer
-from .quantize import empty_quantized_model
+from .quantize import empty_quantized_model, upgrade_int8_layout
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")  # ours and Hugging Face's names
 
@@ -42,6 +42,8 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     with torch.device("meta"):
         model = Transformer(args) if quantization is None else empty_quantized_model(args, quantization)
     expected = model.state_dict()
+    if quantization is not None:
+        upgrade_int8_layout(state, expected)
     missing = expected.keys() - state.keys()
     unexpected = state.keys() - expected.keys()
     if missing or unexpected:

@@ -1,6 +1,6 @@
 """The decoding kernels (llama_mini/kernels/matvec.py): each operator against a float64 known
-answer, the attention step against the model's own code, and a model on the kernels against
-transformers and through generate.py."""
+answer, the attention step against the model's own code, a layer's step against its
+operators, and a model on the kernels against transformers and through generate.py."""
 
 import copy
 
@@ -51,10 +51,28 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 2048, generator=g).to(dtype)
     x[0, 7] = 40.0  # one outlier: only its own block's scale grows
-    w = torch.randint(-127, 128, (300, 2048), generator=g, dtype=torch.int8)
-    scales = (torch.rand(300, generator=g) * 1e-2).to(dtype)
+    w = torch.randint(-127, 128, (296, 2048), generator=g, dtype=torch.int8)
+    w[5] = 127  # the extremes: |w| times x with w's sign must not saturate
+    w[6] = -127
+    x[1, :32] = -1.0  # a block whose codes are all -127
+    scales = (torch.rand(296, generator=g) * 1e-2).to(dtype)
     expected = matvec.quantized_activations(x).double() @ (w.double() * scales.double()[:, None]).t()
-    close(ops.matvec_int8(x, w, scales), expected, dtype)
+    close(ops.matvec_int8(x, matvec.pack_int8(w), scales), expected, dtype)
+
+
+def test_the_integer_layouts_put_each_rows_inputs_where_the_kernels_read_them():
+    """Row 8p + j's inputs 4c..4c+3 are bytes 4j..4j+3 of run c of set p (int8); int4 likewise
+    per block of 32, inputs 8c + u and 8c + 4 + u sharing byte 4j + u (low, high nibble)."""
+    codes = torch.arange(16 * 64).reshape(16, 64)
+    int8 = matvec.pack_int8((codes % 251 - 125).to(torch.int8))
+    assert int8.shape == (2, 512) and int8[1, 32 * 3 + 4 * 5: 32 * 3 + 4 * 5 + 4].tolist() == [(c % 251 - 125) for c in codes[13, 12:16].tolist()]
+    assert torch.equal(matvec.unpack_int8(int8), (codes % 251 - 125).to(torch.int8))
+    nibbles = (codes % 16).to(torch.uint8)
+    int4 = matvec.pack_int4(nibbles)
+    block, run, row, u = 1, 2, 5, 3
+    byte = int4[0, block * 128 + run * 32 + 4 * row + u].item()
+    assert (byte & 15, byte >> 4) == (nibbles[row, 32 * block + 8 * run + u].item(), nibbles[row, 32 * block + 8 * run + 4 + u].item())
+    assert torch.equal(matvec.unpack_int4(int4), nibbles)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -80,8 +98,10 @@ def test_activations_round_to_nearest_in_their_block():
 def test_wrong_shapes_are_refused_by_the_operators(ops):
     with pytest.raises(RuntimeError, match="input of shape"):
         ops.matvec_dense(torch.randn(1, 10), torch.randn(4, 12))
-    with pytest.raises(RuntimeError, match="multiple of 32 inputs"):
-        ops.matvec_int8(torch.randn(1, 40), torch.zeros(4, 40, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        ops.matvec_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="one scale per row"):
+        ops.matvec_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(4))
 
 
 # --- A decoding step's attention -------------------------------------------------------------------
@@ -111,18 +131,11 @@ def test_decode_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, 
         q = torch.randn(2, 1, heads, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(2, 1, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
         cos, sin = rope_cos_sin(args, position, 1)
-        got = matvec.decode_attention(q, k, v, ours, cos, sin, position)
+        got = ops.decode_attention(q, k, v, ours.k, ours.v, cos, sin, position)
         expected = reference_step(q, k, v, theirs, cos, sin, position)
         assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)  # RoPE and the write, exactly
         assert got.shape == (2, 1, heads, head_dim) and got.dtype == dtype
         close(got, expected, dtype)
-
-
-def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
-    cache = KVCache(1, 4, 2, 16, "cpu", torch.float32)
-    q, k = torch.randn(1, 1, 2, 16), torch.randn(1, 1, 2, 16)
-    cos, sin = rope_cos_sin(ModelArgs(dim=32, n_heads=2, vocab_size=8), 4, 1)
-    assert matvec.decode_attention(q, k, k, cache, cos, sin, 4) is None  # KVCache.update then raises
 
 
 # --- A model on the kernels ------------------------------------------------------------------------
@@ -141,12 +154,86 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is MatvecLinear for m in linears)
     assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights  # shared, not copied
-    assert all(layer.attention.decode_step is matvec.decode_attention for layer in model.layers)
+    assert all(layer.decode_step is matvec.decode_layer for layer in model.layers)
+
+
+def block_step_on_the_operators(ops, block, x, cos, sin, position):
+    """TransformerBlock.forward for one decoded position, written out on the kernels: the block's
+    own norm and linear modules (which run them), and the attention operator."""
+    attention, batch = block.attention, x.shape[0]
+    h = block.attention_norm(x)
+    q, k, v = (linear(h).view(batch, 1, -1, attention.head_dim) for linear in (attention.wq, attention.wk, attention.wv))
+    out = ops.decode_attention(q, k, v, attention.cache.k, attention.cache.v, cos, sin, position)
+    h = x + attention.wo(out.view(batch, 1, -1))
+    return h + block.feed_forward(block.ffn_norm(h))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype):
-    reference = tiny_model().to(dtype)
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_a_layers_decoding_step_is_its_operators_bit_for_bit(ops, dtype, quantization):
+    from llama_mini.quantize import quantize_model
+
+    model = tiny_model(n_layers=1).to(dtype)
+    if quantization:
+        quantize_model(model, quantization)
+    use_matvec(model)
+    block = model.layers[0]
+    g = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        model.setup_cache(2, 32)
+        model(torch.randint(0, 128, (2, 12), generator=g), 0)  # a prompt in the cache
+        cache = block.attention.cache
+        before = cache.k.clone(), cache.v.clone()
+        for position in (12, 13):
+            x = torch.randn(2, 1, 64, generator=g).to(dtype)
+            cos, sin = rope_cos_sin(model.args, position, 1)
+            got = matvec.decode_layer(block, x, cos, sin, position)
+            after = cache.k.clone(), cache.v.clone()
+            cache.k.copy_(before[0]), cache.v.copy_(before[1])
+            expected = block_step_on_the_operators(ops, block, x, cos, sin, position)
+            assert got is not None and torch.equal(got, expected)
+            assert torch.equal(after[0], cache.k) and torch.equal(after[1], cache.v)
+            before = after
+
+
+def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
+    model = use_matvec(tiny_model())
+    model.setup_cache(1, 4)
+    with torch.inference_mode(), pytest.raises(ValueError, match="do not fit the KV cache"):
+        model(torch.tensor([[3]]), 4)  # decode_layer declines; KVCache.update says what is wrong
+
+
+def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
+    """decode_layer gathers a block's weights once per KV cache: quantizing a model after
+    use_matvec, then generating (which sets up a new cache), runs the quantized weights."""
+    from llama_mini.quantize import quantize_model
+
+    changed, expected = use_matvec(tiny_model()), tiny_model()
+    generate(changed, [[1, 2, 3]], 8, temperature=0)
+    quantize_model(changed, "int8")
+    quantize_model(expected, "int8")
+    use_matvec(expected)
+    assert generate(changed, [[1, 2, 3]], 30, temperature=0) == generate(expected, [[1, 2, 3]], 30, temperature=0)
+    with torch.inference_mode():
+        changed.setup_cache(1, 8), expected.setup_cache(1, 8)
+        changed(torch.tensor([[1, 2]]), 0), expected(torch.tensor([[1, 2]]), 0)
+        assert torch.equal(changed(torch.tensor([[5]]), 2), expected(torch.tensor([[5]]), 2))
+
+
+def test_decoding_with_gradients_runs_the_models_own_operations(ops):
+    model = use_matvec(tiny_model())
+    model.setup_cache(1, 8)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2]]), 0)
+    logits = model(torch.tensor([[5]]), 2)  # grad mode, trainable weights: autograd needs torch's operations
+    logits.sum().backward()
+    assert model.layers[0].feed_forward.w2.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm decode_layer does not take: the blocks' own code runs
+def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
+    reference = tiny_model(norm=norm).to(dtype)
     fast = use_matvec(copy.deepcopy(reference))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
 from llama_mini import corpus, quantize
-from llama_mini.kernels import matvec
+from llama_mini.kernels import matvec, use_matvec
 from llama_mini.quantize import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantize_model
 from llama_mini.tokenizer import Tokenizer
 
@@ -189,7 +189,9 @@ def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_is_un
         spread = theirs.amax(-1) - theirs.amin(-1)
         assert ((ours - theirs).abs().amax(-1) <= 0.01 * spread).all()
     prompt = x[0, :8].tolist()
-    assert generate(q, [prompt], 100, temperature=0) == generate(model, [prompt], 100, temperature=0)
+    expected = generate(model, [prompt], 100, temperature=0)
+    assert generate(q, [prompt], 100, temperature=0) == expected
+    assert generate(use_matvec(q), [prompt], 100, temperature=0) == expected  # generate.py's path: a layer per call
 
 
 @torch.no_grad()
@@ -278,6 +280,35 @@ def test_an_int4_checkpoint_in_an_older_layout_is_refused_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="holds int4 codes in an older layout; convert the checkpoint again"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])  # int4 checkpoints hold an int8 head
+def test_int8_rows_saved_plain_load_in_the_kernels_layout(tmp_path, method):
+    """Checkpoints written before int8 rows came in sets of eight hold them as (out, in): they
+    load, in the kernels' layout, with the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = quantize_model(Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32)), method)
+    save_checkpoint(model, tmp_path)
+    weights = next(tmp_path.glob("*.safetensors"))
+    state = load_file(weights)
+    plain = {name: matvec.unpack_int8(t) if t.dtype == torch.int8 else t for name, t in state.items()}
+    assert plain["output.weight"].shape == (128, 64)
+    save_file(plain, weights, metadata={"format": "pt"})
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.output.weight.shape == (16, 512) and torch.equal(loaded.output.weight, state["output.weight"])
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_int8_keeps_plain_rows_for_shapes_the_kernel_does_not_take():
+    w = torch.randn(12, 40)  # 12 rows: not sets of eight; 40 inputs: not blocks of 32
+    layer = Int8Linear.from_weight(w)
+    assert not layer.rows_of_8 and layer.weight.shape == (12, 40) and layer.kernel_operands() is None
+    x = torch.randn(1, 40)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize()), rtol=1e-5, atol=1e-5)
 
 
 def test_unknown_quantization_is_refused():

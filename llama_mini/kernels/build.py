@@ -1,4 +1,4 @@
-"""Compiling and loading the CPU operators (fused RMSNorm, decoding matrix-vector products).
+"""Compiling and loading the CPU operators (fused RMSNorm, decoding matrix-vector products and layers).
 
 The sources in csrc/ are compiled, once per machine, into one library with the system C++ compiler against the headers and
 libraries inside torch's wheel (no ninja, no Python headers), into ~/.cache/llama_mini
@@ -22,8 +22,8 @@ import torch
 from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "rms_norm.cpp", CSRC / "rms_norm_op.cpp", CSRC / "matvec.cpp", CSRC / "matvec_op.cpp"]
-HEADERS = [CSRC / "rms_norm.h", CSRC / "matvec.h"]
+SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "matvec_op.cpp", "decode_layer_op.cpp")]
+HEADERS = [CSRC / name for name in ("rms_norm.h", "matvec.h", "ops.h")]
 LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):

@@ -15,11 +15,14 @@ Compiled with the fused RMSNorm (build.py), and self-checked when first loaded.
 import functools
 import logging
 import subprocess
+import weakref
 
 import torch
 from torch import nn
 
+from ..model import RMSNorm
 from . import build
+from .fused_rmsnorm import cpu_kernel
 
 # Rows of x up to which the matrix-vector kernels beat torch's matrix-matrix ones: each row
 # costs the kernels a pass over the weights in cache.
@@ -68,33 +71,70 @@ class MatvecLinear(nn.Linear):
         ops = operators_for(x, self.weight) if self.bias is None else None
         return super().forward(x) if ops is None else ops.matvec_dense(x, self.weight)
 
+    def kernel_operands(self):
+        """(weight, scales, zeros) as decode_layer passes them to the kernels, or None."""
+        return (self.weight, None, None) if self.bias is None and self.weight.dtype in FLOATS else None
 
-HEAD_DIMS = (8, 16, 32, 64, 128)  # those decode_attention takes
+
+HEAD_DIMS = (8, 16, 32, 64, 128)  # the head sizes the attention kernel takes
 
 
-def decode_attention(q, k, v, cache, cos, sin, start_pos: int):
-    """Attention.decode_step on the kernel: RoPE, the cache write and attention of one decoded
-    position in one call; None where the kernel cannot run (the model's own code then runs,
-    and says what is wrong if anything is)."""
-    if torch.compiler.is_compiling() or q.device.type != "cpu" or q.dtype not in FLOATS or q.shape[-1] not in HEAD_DIMS:
+def decode_layer(block, x, cos, sin, start_pos: int):
+    """TransformerBlock.decode_step on the kernels: the norms, the seven products, RoPE, the
+    cache write, attention and the residual adds of one decoded position, in one call (the
+    operator llama_mini::decode_layer, csrc/decode_layer_op.cpp). None where the kernels
+    cannot run the block: the model's own code then runs, and says what is wrong if anything is."""
+    cache = block.attention.cache
+    gathered = _layer_operands.get(cache)
+    if gathered is None or gathered[0] != x.dtype:
+        gathered = _layer_operands[cache] = (x.dtype, *_gather_operands(block, x.dtype))
+    _, trainable, operands = gathered
+    if operands is None or not x.is_cpu or x.shape[0] > min(MAX_ROWS, cache.k.shape[0]) or start_pos >= cache.k.shape[2]:
         return None
-    if not (k.dtype == v.dtype == cache.k.dtype == q.dtype) or q.shape[0] > cache.k.shape[0] or start_pos >= cache.k.shape[2]:
-        return None
-    return operators().decode_attention(q, k, v, cache.k, cache.v, cos, sin, start_pos)
+    if torch.compiler.is_compiling() or torch.is_grad_enabled() and (x.requires_grad or trainable):
+        return None  # autograd needs the model's own operations
+    return operators().decode_layer(x, *operands, cos, sin, start_pos)
+
+
+# A block's operands, gathered once per KV cache (setup_cache begins each generation, and a
+# model is not changed in the middle of one): reading them from the modules costs about a
+# microsecond per attribute, tens of microseconds a layer, as much as a small layer's arithmetic.
+_layer_operands = weakref.WeakKeyDictionary()
+
+
+def _gather_operands(block, dtype):
+    """(whether any of them requires grad, decode_layer's operands for `block` decoding `dtype`
+    but cos, sin and the position); the operands are None where the kernels do not run the
+    block (other norms, head sizes or dtypes, layers without kernel operands)."""
+    attention, cache = block.attention, block.attention.cache
+    if dtype not in FLOATS or cache.k.dtype != dtype or attention.head_dim not in HEAD_DIMS:
+        return False, None
+    norms = (block.attention_norm, block.ffn_norm)
+    if not all(isinstance(norm, RMSNorm) and norm.n_rms == norm.weight.shape[0] and norm.weight.dtype == dtype for norm in norms):
+        return False, None
+    ffn = block.feed_forward
+    linears = (attention.wq, attention.wk, attention.wv, attention.wo, ffn.w1, ffn.w2, ffn.w3)
+    operands = [linear.kernel_operands() if hasattr(linear, "kernel_operands") else None for linear in linears]
+    rms_norm = cpu_kernel()[0]
+    if None in operands or rms_norm is None or norms[0].eps != norms[1].eps:
+        return False, None
+    weights, scales, zeros = zip(*operands)
+    trainable = any(t is not None and t.requires_grad for t in (norms[0].weight, norms[1].weight, *weights, *scales, *zeros))
+    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, rms_norm.vector_bytes, weights, scales, zeros, cache.k, cache.v)
 
 
 def use_matvec(model: nn.Module) -> nn.Module:
     """Run model's decoding steps on the kernels; returns model.
 
-    Every plain nn.Linear becomes a MatvecLinear sharing its weight, and every attention
-    module runs its decoding steps with decode_attention. Builds or loads the kernels now (a
-    first build says so), not at the first token; where they cannot run, model is left as it is.
+    Every plain nn.Linear becomes a MatvecLinear sharing its weight, and every transformer
+    block runs its decoding steps with decode_layer. Builds or loads the kernels now (a first
+    build says so), not at the first token; where they cannot run, model is left as it is.
     """
     if operators() is None:
         return model
     for module in model.modules():
         if hasattr(module, "decode_step"):
-            module.decode_step = decode_attention
+            module.decode_step = decode_layer
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if type(child) is nn.Linear:
@@ -126,14 +166,14 @@ def _self_check(ops) -> None:
         x = torch.randn(3, 320, generator=g).to(dtype)
         xq = quantized_activations(x).double()
         w = torch.randn(7, 320, generator=g)
-        codes = torch.randint(-127, 128, (7, 320), generator=g, dtype=torch.int8)
-        scales = (torch.rand(7, generator=g) + 0.5).to(dtype)
+        codes = torch.randint(-127, 128, (16, 320), generator=g, dtype=torch.int8)
+        scales = (torch.rand(16, generator=g) + 0.5).to(dtype)
         nibbles = torch.randint(0, 16, (16, 320), generator=g, dtype=torch.uint8)
         group_scales, zeros = (torch.rand(16, 5, generator=g) + 0.5).to(dtype), torch.randn(16, 5, generator=g).to(dtype)
         int4 = ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None] + zeros.double()[..., None]).flatten(-2)
         checks = (
             (ops.matvec_dense(x, w.to(dtype)), x.double() @ w.to(dtype).double().t()),
-            (ops.matvec_int8(x, codes, scales), xq @ (codes.double() * scales.double()[:, None]).t()),
+            (ops.matvec_int8(x, pack_int8(codes), scales), xq @ (codes.double() * scales.double()[:, None]).t()),
             (ops.matvec_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(zeros)), xq @ int4.t()),
         )
         for got, expected in checks:
@@ -141,14 +181,27 @@ def _self_check(ops) -> None:
                 raise RuntimeError("the compiled matrix-vector kernels disagree with the reference")
 
 
-# --- The int4 layout (csrc/matvec.h) -----------------------------------------------------------
+# --- The integer layouts (csrc/matvec.h) ------------------------------------------------------
 #
-# Rows in sets of eight, so that one load feeds eight rows: for each set and block of 32 inputs,
-# 128 bytes; in run c (32 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input
-# 8c + u in its low nibble and 8c + 4 + u in its high nibble. Scales and zeros likewise hold the
-# eight rows of a set side by side.
+# Rows in sets of eight, so that one load feeds eight rows. int8: for each set, runs of 32 bytes
+# in input order, bytes 4j..4j+3 of run c holding inputs 4c..4c+3 of row j. int4: for each set
+# and block of 32 inputs, 128 bytes; in run c (32 bytes) of a block, bytes 4j..4j+3 are row j's,
+# byte 4j + u holding input 8c + u in its low nibble and 8c + 4 + u in its high nibble. int4's
+# scales and zeros likewise hold the eight rows of a set side by side.
 
 ROW_SET = 8
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes (n, k), n % 8 == 0 and k % 32 == 0 -> the kernel's layout (n / 8, 8 k)."""
+    n, k = codes.shape
+    return codes.reshape(n // ROW_SET, ROW_SET, k // 4, 4).transpose(1, 2).reshape(n // ROW_SET, ROW_SET * k)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8's inverse: (n / 8, 8 k) -> (n, k)."""
+    sets, k = packed.shape[0], packed.shape[1] // ROW_SET
+    return packed.reshape(sets, k // 4, ROW_SET, 4).transpose(1, 2).reshape(sets * ROW_SET, k)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,21 @@ template <typename Block> void by_blocks(int64_t begin, int64_t end, const Block
     for (; i < end; i++) block.template operator()<1>(i);
 }
 
+// Calls body<S>(sets) for the sets of rows [first, last): two at a time, one from each half of
+// the range, then the one left over. Each thread then reads two streams of weights side by
+// side, which keeps more reads in flight than one: 1.15-1.4x the bandwidth on two AVX2 cores.
+template <typename Body> void in_two_streams(int64_t first, int64_t last, const Body& body) {
+    const int64_t half = (last - first) / 2;
+    for (int64_t set = first; set < first + half; set++) {
+        const int64_t pair[2] = {set, set + half};
+        body.template operator()<2>(pair);
+    }
+    if ((last - first) % 2) {
+        const int64_t one[1] = {last - 1};
+        body.template operator()<1>(one);
+    }
+}
+
 // The kernels prefetch the weights of the next pass while computing this one: the hardware
 // prefetchers lose track of the short rows of a small model's matrices and stop at 4 KB pages,
 // and without help two cores read them at two thirds of the bandwidth.
@@ -133,28 +148,54 @@ void dense_rows(const float* x, const W* w, float* y, int64_t rows, int64_t n, i
     }
 }
 
-// --- int8 weights, one scale per row ---------------------------------------------------------
+__m256 load8_scales(const void* p, int64_t i, bool bf16) {
+    return bf16 ? load8(static_cast<const uint16_t*>(p) + i) : load8(static_cast<const float*>(p) + i);
+}
 
-template <int R>
-void int8_rows(const int8_t* xq, const float* xd, const int8_t* w, const void* scales, bool scales_bf16, float* y,
-               int64_t rows, int64_t n, int64_t k, int64_t i) {
+// --- int8 weights, one scale per row ---------------------------------------------------------
+//
+// Rows come in sets of eight, interleaved (matvec.h), as int4's do: one 32-byte load holds four
+// inputs of each of the eight rows, multiplied by the same four activations (broadcast), so the
+// sums land one row per lane and each set is one stream from memory. vpmaddubsw multiplies
+// unsigned by signed bytes, so each product is taken as |w| times x with w's sign. Against four
+// rows read side by side, this streams the weights 1.1-1.7x faster on two AVX2 cores.
+
+constexpr int64_t INT8_PREFETCH = 1024;  // bytes ahead in each stream
+
+// Rows 8 set[i] .. 8 set[i] + 7 of y, for the S sets read side by side.
+template <int S>
+void int8_sets(const int8_t* xq, const float* xd, const int8_t* codes, const void* scales, bool scales_bf16, float* y,
+               int64_t rows, int64_t n, int64_t k, const int64_t* set) {
     const int64_t blocks = k / BLOCK;
+    const int8_t* end = codes + n / 8 * blocks * 256;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* w[S];
+    __m256 row_scales[S];
+    for (int i = 0; i < S; i++) w[i] = codes + set[i] * blocks * 256, row_scales[i] = load8_scales(scales, set[i] * 8, scales_bf16);
     for (int64_t r = 0; r < rows; r++) {
-        const int8_t* next = r == 0 && i + 2 * R <= n ? w + (i + R) * k : nullptr;  // the next pass's rows
-        __m256 acc[R];
-        for (int q = 0; q < R; q++) acc[q] = _mm256_setzero_ps();
+        __m256 acc[S];
+        for (int i = 0; i < S; i++) acc[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * k + b * BLOCK));
-            const __m256 d = _mm256_broadcast_ss(xd + r * blocks + b);
-            for (int q = 0; q < R; q++) {
-                if (next) prefetch(next + q * k + b * BLOCK);
-                const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (i + q) * k + b * BLOCK));
-                // |w| times x with w's sign: unsigned times signed, what vpmaddubsw takes.
-                const __m256i p = dot_u8_s8(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-                acc[q] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[q]);
+            for (int i = 0; i < S; i++)
+                if (r == 0 && w[i] + b * 256 + INT8_PREFETCH + 256 <= end)
+                    for (int line = 0; line < 256; line += 64) prefetch(w[i] + b * 256 + INT8_PREFETCH + line);
+            const int8_t* x = xq + r * k + b * BLOCK;
+            __m256i sum[S];
+            for (int i = 0; i < S; i++) sum[i] = _mm256_setzero_si256();
+            for (int c = 0; c < 8; c++) {
+                int32_t x4;  // inputs 4c..4c+3 of the block
+                std::memcpy(&x4, x + 4 * c, 4);
+                const __m256i xb = _mm256_set1_epi32(x4);
+                for (int i = 0; i < S; i++) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + b * 256 + 32 * c));
+                    const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(v, v), _mm256_sign_epi8(xb, v));
+                    sum[i] = _mm256_add_epi32(sum[i], _mm256_madd_epi16(products, ones));
+                }
             }
+            const __m256 d = _mm256_set1_ps(xd[r * blocks + b]);
+            for (int i = 0; i < S; i++) acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[i]), d, acc[i]);
         }
-        for (int q = 0; q < R; q++) y[r * n + i + q] = hsum(acc[q]) * scalar_at(scales, i + q, scales_bf16);
+        for (int i = 0; i < S; i++) _mm256_storeu_ps(y + r * n + set[i] * 8, _mm256_mul_ps(acc[i], row_scales[i]));
     }
 }
 
@@ -163,7 +204,7 @@ void int8_rows(const int8_t* xq, const float* xd, const int8_t* w, const void* s
 // Rows come in sets of eight, interleaved (matvec.h), so one 32-byte load holds four inputs of
 // each of the eight rows and one vpmaddubsw multiplies all eight by the same four activations
 // (broadcast): the sums land one row per lane, with no horizontal sums, and each set is one
-// stream from memory. Codes are 0..15 and activations within +-127, so eight vpmaddubsw
+// stream from memory (two sets are read side by side). Codes are 0..15 and activations within +-127, so eight vpmaddubsw
 // results (a block of 32 inputs) still fit int16 before one vpmaddwd widens them.
 //
 // Within a block, w = (q - 8) s + z, so with x ~ d xq over the same inputs:
@@ -171,46 +212,51 @@ void int8_rows(const int8_t* xq, const float* xd, const int8_t* w, const void* s
 // The first term is the integer product; the second needs only the block's sum of activation
 // codes. Both are computed for the eight rows at once.
 
-constexpr int64_t INT4_PREFETCH = 2048;  // bytes ahead: one stream of codes per set, sets back to back
+constexpr int64_t INT4_PREFETCH = 1024;  // bytes ahead in each stream
 
-__m256 load8_scales(const void* p, int64_t i, bool bf16) {
-    return bf16 ? load8(static_cast<const uint16_t*>(p) + i) : load8(static_cast<const float*>(p) + i);
-}
-
-// Rows 8 set .. 8 set + 7 of y.
-void int4_set(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes, const void* scales,
-              const void* zeros, bool scales_bf16, float* y, int64_t rows, int64_t n, int64_t k, int64_t group,
-              int64_t set) {
+// Rows 8 set[i] .. 8 set[i] + 7 of y, for the S sets read side by side.
+template <int S>
+void int4_sets(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes, const void* scales,
+               const void* zeros, bool scales_bf16, float* y, int64_t rows, int64_t n, int64_t k, int64_t group,
+               const int64_t* set) {
     const int64_t blocks = k / BLOCK, groups = k / group, per_group = group / BLOCK;
-    const uint8_t* w = codes + set * blocks * 128;
     const uint8_t* end = codes + n / 8 * blocks * 128;
     const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const uint8_t* w[S];
+    for (int i = 0; i < S; i++) w[i] = codes + set[i] * blocks * 128;
     for (int64_t r = 0; r < rows; r++) {
-        __m256 acc = _mm256_setzero_ps(), offset = _mm256_setzero_ps();
+        __m256 acc[S], offset[S];
+        for (int i = 0; i < S; i++) acc[i] = offset[i] = _mm256_setzero_ps();
         for (int64_t b = 0; b < blocks; b++) {
-            if (r == 0 && w + b * 128 + INT4_PREFETCH + 128 <= end)
-                prefetch(w + b * 128 + INT4_PREFETCH), prefetch(w + b * 128 + INT4_PREFETCH + 64);
+            for (int i = 0; i < S; i++)
+                if (r == 0 && w[i] + b * 128 + INT4_PREFETCH + 128 <= end)
+                    prefetch(w[i] + b * 128 + INT4_PREFETCH), prefetch(w[i] + b * 128 + INT4_PREFETCH + 64);
             const int8_t* x = xq + r * k + b * BLOCK;
-            const __m256i* wb = reinterpret_cast<const __m256i*>(w + b * 128);
-            __m256i sum16 = _mm256_setzero_si256();
+            __m256i sum16[S];
+            for (int i = 0; i < S; i++) sum16[i] = _mm256_setzero_si256();
             for (int c = 0; c < 4; c++) {
                 int32_t x_low, x_high;  // inputs 8c..8c+3 and 8c+4..8c+7 of the block
                 std::memcpy(&x_low, x + 8 * c, 4), std::memcpy(&x_high, x + 8 * c + 4, 4);
-                const __m256i v = _mm256_loadu_si256(wb + c);
-                const __m256i low = _mm256_and_si256(v, low_nibbles);
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
-                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(low, _mm256_set1_epi32(x_low)));
-                sum16 = _mm256_add_epi16(sum16, _mm256_maddubs_epi16(high, _mm256_set1_epi32(x_high)));
+                const __m256i low_x = _mm256_set1_epi32(x_low), high_x = _mm256_set1_epi32(x_high);
+                for (int i = 0; i < S; i++) {
+                    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[i] + b * 128) + c);
+                    const __m256i low = _mm256_and_si256(v, low_nibbles);
+                    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(v, 4), low_nibbles);
+                    sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(low, low_x));
+                    sum16[i] = _mm256_add_epi16(sum16[i], _mm256_maddubs_epi16(high, high_x));
+                }
             }
-            const int64_t g = (set * groups + b / per_group) * 8;
-            const __m256 s = load8_scales(scales, g, scales_bf16), z = load8_scales(zeros, g, scales_bf16);
             const float d = xd[r * blocks + b];
-            const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16, ones));
-            acc = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(d)), acc);
-            offset = _mm256_fmadd_ps(_mm256_set1_ps(d * static_cast<float>(xsum[r * blocks + b])),
-                                     _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z), offset);
+            const __m256 block_sum = _mm256_set1_ps(d * static_cast<float>(xsum[r * blocks + b]));
+            for (int i = 0; i < S; i++) {
+                const int64_t g = (set[i] * groups + b / per_group) * 8;
+                const __m256 s = load8_scales(scales, g, scales_bf16), z = load8_scales(zeros, g, scales_bf16);
+                const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(sum16[i], ones));
+                acc[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(s, _mm256_set1_ps(d)), acc[i]);
+                offset[i] = _mm256_fmadd_ps(block_sum, _mm256_fnmadd_ps(_mm256_set1_ps(8.0f), s, z), offset[i]);
+            }
         }
-        _mm256_storeu_ps(y + r * n + set * 8, _mm256_add_ps(acc, offset));
+        for (int i = 0; i < S; i++) _mm256_storeu_ps(y + r * n + set[i] * 8, _mm256_add_ps(acc[i], offset[i]));
     }
 }
 
@@ -358,8 +404,10 @@ extern "C" void matvec_int8(const int8_t* xq, const float* xd, const int8_t* w, 
                             int64_t rows, int64_t n, int64_t k, int scales_bf16, int y_bf16, int threads) {
     float* yf = output_buffer(y, y_bf16, rows * n);
     for_row_bands(n, threads, [&](int64_t begin, int64_t end) {
-        by_blocks(begin, end, [&]<int R>(int64_t i) { int8_rows<R>(xq, xd, w, scales, scales_bf16, yf, rows, n, k, i); });
-    });
+        in_two_streams(begin / 8, end / 8, [&]<int S>(const int64_t* sets) {
+            int8_sets<S>(xq, xd, w, scales, scales_bf16, yf, rows, n, k, sets);
+        });
+    }, 8);
     finish_output(y, y_bf16, rows * n);
 }
 
@@ -368,8 +416,9 @@ extern "C" void matvec_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             int64_t group, int scales_bf16, int y_bf16, int threads) {
     float* yf = output_buffer(y, y_bf16, rows * n);
     for_row_bands(n, threads, [&](int64_t begin, int64_t end) {
-        for (int64_t set = begin / 8; set < end / 8; set++)
-            int4_set(xq, xd, xsum, codes, scales, zeros, scales_bf16, yf, rows, n, k, group, set);
+        in_two_streams(begin / 8, end / 8, [&]<int S>(const int64_t* sets) {
+            int4_sets<S>(xq, xd, xsum, codes, scales, zeros, scales_bf16, yf, rows, n, k, group, sets);
+        });
     }, 8);
     finish_output(y, y_bf16, rows * n);
 }

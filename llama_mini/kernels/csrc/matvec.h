@@ -22,7 +22,9 @@ extern "C" void matvec_dense(const void* x, const void* w, void* y, int64_t rows
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
                                      int64_t k);
 
-// W int8 with one scale per row: W[i] = w[i] * scales[i].
+// W int8 with one scale per row: W[i] = w[i] * scales[i]. n % 8 == 0: rows come in sets of
+// eight, interleaved. For set p and block b of 32 inputs, w[p, b] is 256 bytes: eight runs c of
+// 32 bytes, in which bytes 4j..4j+3 are inputs 4c..4c+3 of the block in row 8p + j.
 extern "C" void matvec_int8(const int8_t* xq, const float* xd, const int8_t* w, const void* scales, void* y,
                             int64_t rows, int64_t n, int64_t k, int scales_bf16, int y_bf16, int threads);
 

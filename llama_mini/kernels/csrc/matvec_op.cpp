@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "matvec.h"
+#include "ops.h"
 
 namespace llama_mini {
 
@@ -89,9 +90,9 @@ at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
 }
 
 at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar,
-                "llama_mini::matvec_int8: a contiguous 2-D int8 weight");
-    const int64_t n = weight.size(0), k = weight.size(1);
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar && weight.size(1) % 256 == 0,
+                "llama_mini::matvec_int8: a contiguous int8 weight (rows / 8, 8 * inputs), inputs a multiple of 32");
+    const int64_t n = weight.size(0) * 8, k = weight.size(1) / 8;
     TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous(),
                 "llama_mini::matvec_int8: one scale per row");
     const IntegerCall call = integer_call(x, scales, n, k);

@@ -17,6 +17,7 @@
 
 #include <tuple>
 
+#include "ops.h"
 #include "rms_norm.h"
 
 namespace llama_mini {
