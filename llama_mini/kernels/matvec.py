@@ -9,7 +9,9 @@ weights, multiply integers as llama.cpp does (activations rounded to int8 in blo
 
 They run for inputs of at most MAX_ROWS rows (a decoding step, a short prompt), on CPU,
 without autograd; everything else (a long prompt, training, CUDA) runs torch's kernels.
-Compiled with the fused RMSNorm (build.py), and self-checked when first loaded.
+use_matvec also gives each transformer block decode_layer, which runs a decoding step of the
+whole block in one call. Compiled with the fused RMSNorm (build.py), and self-checked when
+first loaded.
 """
 
 import functools
