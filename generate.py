@@ -15,16 +15,14 @@ import sys
 import time
 from pathlib import Path
 
-from llama_mini import load_checkpoint
-from llama_mini.checkpoint import DTYPES, detect_format, find_tokenizer, resolve_run_folder
-from llama_mini.cli import run_main
-from llama_mini.device import pick_device
+from llama_mini.cli import flag, run_main
+from llama_mini.device import DTYPES, pick_device
+from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
-from llama_mini.kernels import use_matvec
-from llama_mini.quantize import QUANTIZATIONS, parameter_count
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.kernels import use_fused_rmsnorm, use_matvec
+from llama_mini.quant import QUANTIZATIONS, parameter_count
+from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
-SAMPLING_FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "seed": "--seed"}
 # RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
 # is 131,072 tokens) is a typo, not a wish.
 MAX_CONTEXT = 1 << 24
@@ -51,16 +49,20 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
-    check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, names=SAMPLING_FLAGS)
-    for flag in ("max_new_tokens", "num_samples", "max_seq_len"):
-        value = getattr(args, flag)
+    try:
+        check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed)
+    except ValueError as e:  # the library names its arguments (top_p); here they are flags (--top-p)
+        name, rest = str(e).split(" ", 1)
+        raise ValueError(f"{flag(name)} {rest}") from None
+    for name in ("max_new_tokens", "num_samples", "max_seq_len"):
+        value = getattr(args, name)
         if value is not None and value < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
+            raise ValueError(f"{flag(name)} must be >= 1, got {value}")
     if args.max_seq_len is not None and args.max_seq_len > MAX_CONTEXT:
         raise ValueError(f"--max-seq-len must be at most {MAX_CONTEXT} tokens, got {args.max_seq_len}")
-    for flag in ("prompt", "system"):
-        if getattr(args, flag) is not None:
-            setattr(args, flag, utf8_text(getattr(args, flag), f"--{flag}"))
+    for name in ("prompt", "system"):
+        if getattr(args, name) is not None:
+            setattr(args, name, utf8_text(getattr(args, name), flag(name)))
     return args
 
 
@@ -125,17 +127,6 @@ def chat(model, tokenizer, args) -> None:
         dialog.append({"role": "assistant", "content": answer})
 
 
-def open_tokenizer(ckpt: Path, path=None) -> Tokenizer:
-    """The tokenizer named by --tokenizer, else the checkpoint's own."""
-    path = path or find_tokenizer(ckpt)
-    if path is None:
-        raise FileNotFoundError(
-            f"no tokenizer.model in {ckpt} or its parent (nor original/tokenizer.model, tokenizer.bin or "
-            "tokenizer.json); pass --tokenizer PATH"
-        )
-    return Tokenizer(path)
-
-
 def main(argv=None) -> None:
     args = parse_args(argv)
     text = args.prompt
@@ -144,15 +135,11 @@ def main(argv=None) -> None:
     device = pick_device(args.device)
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)
-    tokenizer = open_tokenizer(ckpt, args.tokenizer)
+    tokenizer = open_tokenizer(checkpoint_tokenizer(ckpt, args.tokenizer))
     start = time.perf_counter()
     model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len,
                             tokenizer_path=tokenizer.model_path, quantize=args.quantize)
-    if tokenizer.n_words != model.args.vocab_size:
-        raise ValueError(
-            f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} tokens but the model's vocabulary has "
-            f"{model.args.vocab_size}; pass the tokenizer that belongs to this checkpoint (--tokenizer)"
-        )
+    check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
     n_params = parameter_count(model)
     quantization = getattr(model, "quantization", None)
     quantized = f" with {quantization['method']} weights" if quantization else ""
@@ -164,7 +151,7 @@ def main(argv=None) -> None:
     if args.compile:
         model.compile(dynamic=True)
     elif device.type == "cpu":
-        use_matvec(model)
+        use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
 
     if args.chat:
         return chat(model, tokenizer, args)

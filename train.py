@@ -1,37 +1,104 @@
 """Train a small Llama on text: `python train.py` (built-in stories) or `--data FILE_OR_FOLDER`.
 
-Fine-tune a checkpoint on your text with `--init-from CKPT`. One flag per TrainConfig field
-(llama_mini/train_config.py, where each is described); the work happens in
-llama_mini.training. Runs on one device as is, and on K processes (DDP, or FSDP2 with
---fsdp) under `torchrun --nproc_per_node=K train.py ...`.
+Fine-tune a checkpoint on your text with `--init-from CKPT`. This file is the loop: step,
+evaluate, log, save. The step is llama_mini/trainer.py, the model llama_mini/model.py, and a
+run's machinery (flags, data, run folder, resume, processes) llama_mini/training/. Runs on one
+device as is, and on K processes (DDP, or FSDP2 with --fsdp) under
+`torchrun --nproc_per_node=K train.py ...`.
 """
 
 import argparse
 import os
 import sys
+import time
+from pathlib import Path
 
 # OpenMP threads that wait by spinning stall when another process shares the cores, where
 # threads that sleep while they wait do not. Must be set before torch loads its OpenMP
 # runtime; an explicit OMP_WAIT_POLICY=ACTIVE wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from tqdm import tqdm  # noqa: E402
+
 from llama_mini.cli import run_main  # noqa: E402
-from llama_mini.train_config import TrainConfig, add_arguments  # noqa: E402
-from llama_mini.training import train  # noqa: E402
+from llama_mini.formats import load_checkpoint  # noqa: E402
+from llama_mini.trainer import lr_at, sample_text  # noqa: E402
+from llama_mini.training.config import TrainConfig, add_arguments  # noqa: E402
+from llama_mini.training.run import start_run  # noqa: E402
+from llama_mini.training.run_folder import METRICS, MetricsLog, report_losses  # noqa: E402
+from llama_mini.training.signals import GracefulStop  # noqa: E402
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_arguments(p)
-    return p
+def train(cfg: TrainConfig) -> Path:
+    """Train (or resume, or fine-tune) the run described by cfg; returns its run folder.
 
-
-def train_from_flags(argv=None) -> None:
-    train(TrainConfig(**vars(parser().parse_args(argv))))
+    Ctrl-C (or SIGTERM) saves a checkpoint at the end of the current step and raises
+    KeyboardInterrupt; a non-finite loss raises NonFiniteLoss (a ValueError) and leaves the last
+    checkpoint as it was.
+    """
+    trainer = start_run(cfg)  # the run folder (checked, then locked), data, model, optimizer; resumed if asked
+    cfg, main, folder = trainer.cfg, trainer.group.is_main, trainer.folder
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * trainer.group.world_size
+    log = MetricsLog(folder.path / METRICS, trainer.step) if main else None
+    if main:
+        print(trainer.describe())
+    # A progress bar on a terminal only (disable=None): in a log file its redraws are noise.
+    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
+    finished = False
+    try:
+        with GracefulStop() as stop:
+            if trainer.step == 0:
+                first = trainer.evaluate()
+                if main:
+                    log.write({"step": 0, "time": 0.0, **first})
+            tick = time.perf_counter()
+            while trainer.step < cfg.max_steps:
+                loss = trainer.train_step()
+                dt = time.perf_counter() - tick
+                trainer.elapsed += dt
+                lr = lr_at(trainer.step - 1, cfg)
+                record = {"step": trainer.step, "time": round(trainer.elapsed, 3), "train_loss": loss, "lr": lr,
+                          "grad_norm": trainer.grad_norm, "tokens_per_s": round(tokens_per_step / dt, 1)}
+                bar.set_postfix(dict(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"), refresh=False)
+                bar.update()
+                done = trainer.step == cfg.max_steps
+                if trainer.step % cfg.eval_every == 0 or done:
+                    record.update(trainer.evaluate())
+                    if main:
+                        bar.write(f"step {trainer.step}: val loss {record['val_loss']:.4f}, perplexity {record['val_ppl']:.2f}")
+                if main:
+                    log.write(record)
+                stopping = trainer.group.any(stop.requested, trainer.device)
+                if trainer.step % cfg.save_every == 0 or done or stopping:
+                    trainer.save()
+                if stopping:
+                    raise KeyboardInterrupt
+                tick = time.perf_counter()  # evaluation and saving are not training time
+        finished = True
+    except KeyboardInterrupt:
+        bar.close()
+        if main:
+            latest = f"the latest checkpoint is {folder.latest}" if folder.latest else "no checkpoint was saved"
+            print(f"interrupted at step {trainer.step}; {latest}; continue with the same flags and --resume")
+        raise
+    finally:
+        bar.close()
+        if log:
+            log.close()
+        trainer.close(wait_for_all=finished)
+    if main:
+        report_losses(folder.path)
+    if main and cfg.sample_tokens:
+        model = load_checkpoint(folder.latest).to(trainer.device)  # the saved model, as a user would load it
+        text = sample_text(model, trainer.tokenizer, cfg.prompt, cfg.sample_tokens, seed=cfg.seed)
+        print(f"\nsample from {folder.latest}:\n{text}\n")
+    return folder.path
 
 
 def main(argv=None) -> int:
-    return run_main(train_from_flags, argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)  # one flag per TrainConfig field, with its help text
+    return run_main(lambda args: train(TrainConfig(**vars(parser.parse_args(args)))), argv)
 
 
 if __name__ == "__main__":

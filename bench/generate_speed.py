@@ -2,9 +2,9 @@
 
 Batch 1, greedy, random weights of a Llama shape with Llama-2's 32000-token vocabulary:
 llama2.c's 15M and 110M, and a 1B of Llama-3.2 1B's shape (dim 2048, 16 layers, 32 heads
-with 8 KV heads, hidden 5632). llama_mini's int8 and int4 (llama_mini/quantize.py) run with
+with 8 KV heads, hidden 5632). llama_mini's int8 and int4 (llama_mini/quant/) run with
 bf16 activations, the dtype torch's weight-only kernels are fast with. llama.cpp, when
-llama-cpp-python is installed, runs the same weights exported through llama_mini/gguf_export.py
+llama-cpp-python is installed, runs the same weights exported through llama_mini/formats/gguf.py
 as F32, BF16, Q8_0 and Q4_0; the export needs the Llama-2 tokenizer.model (--tokenizer).
 
 Every implementation runs once per round, in the same order, round after round, so the load
@@ -37,10 +37,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
-from llama_mini.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
-from llama_mini.kernels import use_matvec  # noqa: E402
+from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
+from llama_mini.kernels import use_fused_rmsnorm, use_matvec  # noqa: E402
 from llama_mini.model import KVCache  # noqa: E402
-from llama_mini.quantize import quantize_model  # noqa: E402
+from llama_mini.quant import quantize  # noqa: E402
 
 SIZES = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, multiple_of=32),
@@ -79,9 +79,9 @@ def llama_mini_variants(base: Transformer) -> dict:
     the decoding kernels, as generate.py runs them. No more copies than that: at 1B, every
     implementation's models together nearly fill a 24 GiB machine."""
     variants = {"bf16": copy.deepcopy(base).to(torch.bfloat16),
-                "int8": quantize_model(copy.deepcopy(base), "int8").to(torch.bfloat16),
-                "int4": quantize_model(copy.deepcopy(base), "int4").to(torch.bfloat16)}
-    return {name: use_matvec(model) for name, model in {"fp32": base, **variants}.items()}
+                "int8": quantize(copy.deepcopy(base), "int8").to(torch.bfloat16),
+                "int4": quantize(copy.deepcopy(base), "int4").to(torch.bfloat16)}
+    return {name: use_matvec(use_fused_rmsnorm(model)) for name, model in {"fp32": base, **variants}.items()}  # as generate.py does
 
 
 def transformers_model(base: Transformer, dtype):
@@ -104,7 +104,7 @@ def llama_cpp_models(base: Transformer, tokenizer, folder: Path, threads: int) -
         print("no Llama-2 tokenizer.model (--tokenizer): llama.cpp is left out", file=sys.stderr)
         return {}
     import gguf
-    from llama_mini.gguf_export import export_gguf
+    from llama_mini.formats.gguf import export_gguf
 
     models = {}
     for variant, type in LLAMA_CPP.items():

@@ -11,7 +11,7 @@ filled one at a time through a shared memory map of the file itself.
 
 Target: peak RSS <= 1.25 x the file size, so that 7B fits a 24 GiB machine. Two loads are
 timed: cold (the file's pages dropped from the page cache first) and warm. With --quantize,
-the checkpoint is first converted as a user converts it (python -m llama_mini.convert ...
+the checkpoint is first converted as a user converts it (python -m llama_mini.formats.convert ...
 --quantize int8), and the quantized checkpoint's loads are measured against its own file.
 
     python bench/load_memory.py                       # writes to a temporary folder, deletes it after
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint  # noqa: E402
-from llama_mini.quantize import QUANTIZATIONS, parameter_count  # noqa: E402
+from llama_mini.quant import QUANTIZATIONS, parameter_count  # noqa: E402
 
 FIXTURE_TOKENIZER = Path("/work/shared/fixtures/llama2-tokenizer.model")
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
@@ -159,7 +159,7 @@ def main():
             quantized = folder / args.quantize
             if not quantized.is_dir():
                 start = time.perf_counter()
-                subprocess.run([sys.executable, "-m", "llama_mini.convert", str(folder), str(quantized), "--to", "native",
+                subprocess.run([sys.executable, "-m", "llama_mini.formats.convert", str(folder), str(quantized), "--to", "native",
                                 "--quantize", args.quantize], check=True, cwd=Path(__file__).resolve().parents[1])
                 print(f"converted to {args.quantize} in {time.perf_counter() - start:.0f}s: {quantized}")
             measure_loads(quantized, quantized / "model.safetensors", args.prompt_len)

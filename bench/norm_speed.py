@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini import RMSNorm  # noqa: E402
-from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm, build  # noqa: E402
+from llama_mini.kernels import build, fused_rmsnorm, use_fused_rmsnorm  # noqa: E402
 
 EPS = 1e-5
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,10 +37,12 @@ def implementations(dim, dtype, device):
     impls = {
         "reference": RMSNorm(dim, EPS),
         "nn.RMSNorm": nn.RMSNorm(dim, eps=EPS),
-        "fused": FusedRMSNorm(dim, EPS, fallback=False),
+        "fused": nn.Sequential(RMSNorm(dim, EPS)),  # a model of one norm, for use_fused_rmsnorm to apply to
         "nn.LayerNorm": nn.LayerNorm(dim, eps=EPS),
     }
-    return {name: m.to(device=device, dtype=dtype) for name, m in impls.items()}
+    impls = {name: m.to(device=device, dtype=dtype) for name, m in impls.items()}
+    impls["fused"] = use_fused_rmsnorm(impls["fused"], fallback=False)[0]
+    return impls
 
 
 def synchronize(device):

@@ -1,7 +1,7 @@
 """Training-step time of the same model with RMSNorm and with LayerNorm.
 
-The RMSNorm model is built with norm_impl "auto" (the fused kernel, as training does); the
-same model with Meta's eager RMSNorm ("reference") is timed alongside to show what the
+The RMSNorm model runs the fused kernel (use_fused_rmsnorm, as training applies it); the
+same model with Meta's eager RMSNorm (model.py alone) is timed alongside to show what the
 kernel buys. Each round runs one optimizer step (forward, backward, AdamW) of every variant in a
 random order, and ratios are per round against the LayerNorm model, so load from other
 processes falls on all variants alike.
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini import ModelArgs, Transformer  # noqa: E402
+from llama_mini.kernels import use_fused_rmsnorm  # noqa: E402
 
 # (name, ModelArgs fields, batch size, sequence length)
 MODELS = [
@@ -38,17 +39,19 @@ MODELS = [
     ("train.py default", dict(dim=192, n_layers=4, n_heads=6, vocab_size=1024), 16, 256),
     ("wider", dict(dim=768, n_layers=4, n_heads=12, vocab_size=1024), 8, 256),
 ]
-VARIANTS = {  # name -> (ModelArgs.norm, Transformer's norm_impl)
-    "rmsnorm (fused)": ("rmsnorm", "auto"),
-    "layernorm": ("layernorm", "auto"),
-    "rmsnorm (reference)": ("rmsnorm", "reference"),
+VARIANTS = {  # name -> (ModelArgs.norm, whether the fused RMSNorm is applied, as training does)
+    "rmsnorm (fused)": ("rmsnorm", True),
+    "layernorm": ("layernorm", True),
+    "rmsnorm (reference)": ("rmsnorm", False),
 }
 
 
-def make_step(args: ModelArgs, norm_impl: str, batch: int, seq_len: int, device):
+def make_step(args: ModelArgs, fused: bool, batch: int, seq_len: int, device):
     """A closure running one training step of a freshly initialised model."""
     torch.manual_seed(0)
-    model = Transformer(args, norm_impl).to(device)
+    model = Transformer(args).to(device)
+    if fused:
+        use_fused_rmsnorm(model, fallback=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type in ("cpu", "cuda"))
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (batch, seq_len + 1), generator=g).to(device)
@@ -70,9 +73,9 @@ def run_trial(variants: list, fields: dict, batch: int, seq_len: int, device, ro
     {variant: per-round step times}, and the parameter counts."""
     steps, params = {}, {}
     for variant in rng.sample(variants, len(variants)):
-        norm, norm_impl = VARIANTS[variant]
+        norm, fused = VARIANTS[variant]
         args = ModelArgs(**fields, norm=norm, max_seq_len=seq_len)
-        steps[variant], params[variant] = make_step(args, norm_impl, batch, seq_len, device)
+        steps[variant], params[variant] = make_step(args, fused, batch, seq_len, device)
         steps[variant]()  # warm-up: builds the kernel, touches every buffer
     times = {v: [] for v in variants}
     order = list(steps)

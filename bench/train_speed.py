@@ -2,7 +2,7 @@
 
 Each size runs the real training step of train.py (Trainer.train_step: AdamW, clipping,
 bf16 autocast on CUDA) on the built-in stories, on whatever device is present. MFU is the
-model's FLOPs per second (PaLM's 6N + attention estimate, flops_per_token below)
+model's FLOPs per second (PaLM's 6N + attention estimate, llama_mini.trainer.flops_per_token)
 divided by the peak this device reaches on a large matmul in the same dtype, measured right
 after each size, so the ratio needs no datasheet and sees the same load from other processes.
 
@@ -24,24 +24,15 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini.device import pick_device  # noqa: E402
-from llama_mini.model import ModelArgs  # noqa: E402
-from llama_mini.training import TrainConfig, Trainer  # noqa: E402
+from llama_mini.trainer import flops_per_token  # noqa: E402
+from llama_mini.training.run import start_run  # noqa: E402
+from llama_mini.training.config import TrainConfig  # noqa: E402
 
 # (name, dim, n_layers, n_heads, seq_len, batch_size)
 SIZES = {
     "cpu": [("2M", 192, 4, 6, 256, 16), ("6M", 256, 6, 8, 256, 16), ("20M", 512, 6, 8, 256, 8)],  # 2M: train.py's default
     "gpu": [("20M", 512, 6, 8, 1024, 32), ("110M", 768, 12, 12, 1024, 32), ("350M", 1024, 24, 16, 1024, 16)],
 }
-
-
-def flops_per_token(args: ModelArgs, seq_len: int) -> int:
-    """Training FLOPs per token (forward + backward), PaLM's estimate as in nanoGPT: 6 per
-    weight that multiplies (the embedding lookup does not), plus attention's scores and
-    mixing, 12 * n_layers * dim * seq_len."""
-    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)  # wq, wo; wk, wv
-    per_layer = attention + 3 * args.dim * args.ffn_dim  # + w1, w2, w3
-    matmul_weights = args.n_layers * per_layer + args.dim * args.vocab_size
-    return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
 
 
 def synchronize(device):
@@ -67,7 +58,7 @@ def matmul_peak(device, dtype, repeats=5) -> float:
 def measure(cfg: TrainConfig, rounds: int, steps: int, peak_dtype):
     """Rounds of (steps training steps, then a matmul peak), so each round's MFU compares two
     timings taken under the same load from other processes; medians over rounds."""
-    trainer = Trainer(cfg)
+    trainer = start_run(cfg)
     for _ in range(3 if not cfg.compile else 5):  # first steps allocate, and compile under --compile
         trainer.train_step()
     flops_per_tok = flops_per_token(trainer.args, cfg.seq_len)

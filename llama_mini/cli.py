@@ -19,3 +19,8 @@ def run_main(main, argv=None) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def flag(field: str) -> str:
+    """The command-line flag of a setting: max_steps -> --max-steps."""
+    return "--" + field.replace("_", "-")

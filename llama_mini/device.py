@@ -1,4 +1,5 @@
-"""Which device to run on: CUDA, then Apple's MPS, then the CPU, unless one is named."""
+"""Where and in what to compute: the device (CUDA, then Apple's MPS, then the CPU, unless one
+is named) and the dtypes the command lines offer."""
 
 from typing import Optional
 
@@ -7,6 +8,7 @@ import torch
 # The device types the package runs on. torch knows more names (meta, xla, ...), but a
 # model there either holds no data (meta) or needs a backend this package does not set up.
 DEVICE_TYPES = ("cpu", "cuda", "mps")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # --dtype's names
 
 
 def default_device() -> str:

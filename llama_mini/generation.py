@@ -1,9 +1,10 @@
 """Autoregressive sampling with a preallocated KV cache, as in Meta's generation.py.
 
-Rows of different lengths need no padding: every row starts at position 0, the batch is
-read up to the shortest prompt in one forward pass, and from then on one position is
-decoded per step. A row whose prompt is longer keeps feeding its own prompt tokens until
-they run out (Meta's input_text_mask), so all rows share one cache and none sees padding.
+Two phases, named as gpt-fast names them: prefill reads the prompts in one forward pass, and
+decode_one_token then reads one position per step. Rows of different lengths need no padding:
+every row starts at position 0, prefill reads the batch up to the shortest prompt, and a row
+whose prompt is longer keeps feeding its own prompt tokens until they run out (Meta's
+input_text_mask), so all rows share one cache and none sees padding.
 """
 
 import math
@@ -14,22 +15,19 @@ import torch
 
 from .model import Transformer
 
-
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
-def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None, names=None) -> None:
-    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the
-    message. names maps an argument to what the caller calls it (generate.py: top_p -> --top-p)."""
-    name = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "seed": "seed", **(names or {})}
+def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None) -> None:
+    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the message."""
     if not 0 <= temperature < math.inf:
-        raise ValueError(f"{name['temperature']} must be >= 0 (0 is greedy), got {temperature}")
+        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
     if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"{name['top_p']} must be in (0, 1] (1 keeps every token), got {top_p}")
+        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
     if top_k is not None and top_k < 0:
-        raise ValueError(f"{name['top_k']} must be >= 0 (0 or None keeps every token), got {top_k}")
+        raise ValueError(f"top_k must be >= 0 (0 or None keeps every token), got {top_k}")
     if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"{name['seed']} must be in [0, 2**64), got {seed}")
+        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -135,12 +133,23 @@ def _dropping_cache(model, steps):
         model.drop_cache()
 
 
+def prefill(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits (B, vocab) of the position after tokens (B, T), the prompts read from position 0
+    in one forward; their keys and values fill the cache."""
+    return model(tokens, start_pos=0, last_only=True)[:, -1]
+
+
+def decode_one_token(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
+    """Logits (B, vocab) after one token per row (B, 1) at position pos, attending to the cache."""
+    return model(token, start_pos=pos, last_only=True)[:, -1]
+
+
 @torch.inference_mode()
 def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator):
     device = model.tok_embeddings.weight.device
     stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
     lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
-    B, total_len = len(prompt_tokens), int(lengths.max()) + max_new_tokens
+    B, shortest, total_len = len(prompt_tokens), int(lengths.min()), int(lengths.max()) + max_new_tokens
     tokens = torch.zeros(B, total_len, dtype=torch.long, device=device)
     for row, prompt in enumerate(prompt_tokens):
         tokens[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
@@ -149,11 +158,12 @@ def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, sto
     model.setup_cache(B, total_len)
 
     done = torch.zeros(B, dtype=torch.bool, device=device)
-    prev_pos = 0
-    for cur_pos in range(int(lengths.min()), total_len if max_new_tokens else 0):
-        # The first step reads every row up to the shortest prompt at once; later steps read
-        # the one token written at the step before.
-        logits = model(tokens[:, prev_pos:cur_pos], start_pos=prev_pos, last_only=True)[:, -1]
+    for cur_pos in range(shortest, total_len if max_new_tokens else 0):
+        # Every row up to the shortest prompt at once, then one position per step.
+        if cur_pos == shortest:
+            logits = prefill(model, tokens[:, :cur_pos])
+        else:
+            logits = decode_one_token(model, tokens[:, cur_pos - 1 : cur_pos], cur_pos - 1)
         if not torch.isfinite(logits).all():  # argmax would pick garbage, multinomial would crash
             raise ValueError(
                 f"the model's logits at position {cur_pos} are NaN or infinite: its weights hold NaN/inf (a "
@@ -169,7 +179,6 @@ def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, sto
         done |= stop | (cur_pos + 1 >= lengths + max_new_tokens)
         if done.all():
             break
-        prev_pos = cur_pos
 
 
 def stream_text(tokenizer, token_ids: Iterable[int], context_id: int) -> Iterator[str]:

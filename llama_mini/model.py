@@ -7,16 +7,13 @@ names are Meta's, so a Meta state dict loads by key.
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 NORMS = ("rmsnorm", "prmsnorm", "layernorm", "none")
-# How RMSNorm runs; the same numbers either way. "reference": Meta's code below. "fused": the
-# kernel of llama_mini/kernels/. "auto": the kernel where it builds here, else the reference.
-NORM_IMPLS = ("auto", "fused", "reference")
 
 
 @dataclass
@@ -123,24 +120,14 @@ class RMSNorm(nn.Module):
         return f"{self.weight.shape[0]}, eps={self.eps}, p={self.p}"
 
 
-def build_norm(args: ModelArgs, impl: str = "auto") -> nn.Module:
-    """The normalisation layer named by args.norm: the one switch of the ablation.
-
-    impl (one of NORM_IMPLS) says how an RMSNorm runs. It is decided here, once, when the
-    model is built (torchtitan's build_norm), and is not saved with the model.
-    """
-    if impl not in NORM_IMPLS:
-        raise ValueError(f"unknown norm_impl {impl!r}; choose one of {', '.join(NORM_IMPLS)}")
+def build_norm(args: ModelArgs) -> nn.Module:
+    """The normalisation layer named by args.norm: the one switch of the ablation, decided
+    when the model is built (torchtitan's build_norm)."""
     if args.norm == "layernorm":
         return nn.LayerNorm(args.dim, eps=args.norm_eps)
     if args.norm == "none":
         return nn.Identity()  # the paper's baseline without normalisation
-    p = args.norm_p if args.norm == "prmsnorm" else 1.0
-    if impl == "reference":
-        return RMSNorm(args.dim, args.norm_eps, p)
-    from .kernels import fused_rms_norm  # imported only when asked for: the kernel is optional
-
-    return fused_rms_norm(args.dim, args.norm_eps, p, fallback=impl == "auto")
+    return RMSNorm(args.dim, args.norm_eps, args.norm_p if args.norm == "prmsnorm" else 1.0)
 
 
 # --- Rotary position embeddings ----------------------------------------------------------
@@ -186,9 +173,8 @@ def rope_cos_sin(args: ModelArgs, start_pos: int, seq_len: int, device=None):
 def apply_rotary_emb(x, cos, sin):
     """Rotate adjacent pairs (x[2i], x[2i+1]) of each head by angle pos * freq_i:
     (x0 cos - x1 sin, x1 cos + x0 sin), the real form of Meta's complex multiply, in float32,
-    then cast back. x: (B, T, heads, head_dim); cos, sin from rope_cos_sin. Five operations
-    (a decoding step runs this twice per layer, where each operation's dispatch outweighs its
-    arithmetic)."""
+    then cast back. x: (B, T, heads, head_dim); cos, sin from rope_cos_sin. Written as few
+    operations as it takes: in a decoding step each operation's dispatch outweighs its arithmetic."""
     pairs = x.float().unflatten(-1, (-1, 2))
     return (pairs * cos + pairs.flip(-1) * sin).flatten(-2).type_as(x)
 
@@ -299,32 +285,20 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, norm_impl: str = "auto"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         self.attention = Attention(args)
         self.feed_forward = FeedForward(args)
-        self.attention_norm = build_norm(args, norm_impl)
-        self.ffn_norm = build_norm(args, norm_impl)
-        # Optional: a decoding step of this block in one call, (block, x, cos, sin, start_pos) ->
-        # the block's output, or None where it cannot run. kernels.use_matvec sets one: on a CPU
-        # a decoding step is so small that the thirty-odd eager calls below cost as much as its
-        # arithmetic.
-        self.decode_step: Optional[Callable] = None
+        self.attention_norm = build_norm(args)
+        self.ffn_norm = build_norm(args)
 
     def forward(self, x, cos, sin, start_pos: int = 0):
-        if self.decode_step is not None and x.shape[1] == 1 and self.attention.cache is not None:
-            out = self.decode_step(self, x, cos, sin, start_pos)
-            if out is not None:
-                return out
         h = x + self.attention(self.attention_norm(x), cos, sin, start_pos)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
 class Transformer(nn.Module):
-    """The model of args. norm_impl (one of NORM_IMPLS) picks how its RMSNorms run; it is a
-    choice of this run, not of the checkpoint, and gives the same numbers either way."""
-
-    def __init__(self, args: ModelArgs, norm_impl: str = "auto"):
+    def __init__(self, args: ModelArgs):
         super().__init__()
         if args.vocab_size <= 0:
             raise ValueError(
@@ -333,8 +307,8 @@ class Transformer(nn.Module):
             )
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args, norm_impl) for _ in range(args.n_layers))
-        self.norm = build_norm(args, norm_impl)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = build_norm(args)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight

@@ -12,11 +12,9 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from fixtures import LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require  # noqa: F401  (re-exported to the CLI tests)
 
 ROOT = Path(__file__).resolve().parents[1]
-FIXTURES = Path(__file__).resolve().parents[2] / "shared" / "fixtures"
-LLAMA2_TOKENIZER = FIXTURES / "llama2-tokenizer.model"
-LLAMA3_TOKENIZER = FIXTURES / "llama3-tokenizer.model"
 
 
 def run(*args, stdin=""):
@@ -81,8 +79,7 @@ def tiny_llama3(folder, change=lambda model: model):
     """A tiny random model of Llama-3's vocabulary (128,256 ids) and context (131,072
     positions), change(model) applied, in a Hugging Face folder, with Meta's tokenizer where
     Meta's Hugging Face repositories keep it: original/tokenizer.model."""
-    if not LLAMA3_TOKENIZER.is_file():
-        pytest.skip(f"Meta's Llama-3 tokenizer is not at {LLAMA3_TOKENIZER}")
+    require(LLAMA3_TOKENIZER)
     torch.manual_seed(0)
     args = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=128256, multiple_of=16,
                      rope_theta=500000.0, max_seq_len=131072)
@@ -95,11 +92,10 @@ def tiny_llama3(folder, change=lambda model: model):
 def write_llama3_tokenizer_json(path):
     """Meta's Llama-3 ranks as Hugging Face's tokenizer.json, made as the Hub's were: by
     transformers' TikTokenConverter."""
-    if not LLAMA3_TOKENIZER.is_file():
-        pytest.skip(f"Meta's Llama-3 tokenizer is not at {LLAMA3_TOKENIZER}")
+    require(LLAMA3_TOKENIZER)
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
-    from llama_mini.tiktoken_tokenizer import SPECIAL_TOKENS
+    from llama_mini.tokenizers.llama3 import SPECIAL_TOKENS
 
     TikTokenConverter(vocab_file=str(LLAMA3_TOKENIZER), extra_special_tokens=SPECIAL_TOKENS).converted().save(str(path))
     return path

@@ -10,12 +10,13 @@ seven, so turns end there as well as at --max-new-tokens.
 
 import pytest
 import torch
-from generate_cli_helpers import LLAMA3_TOKENIZER, favour_token, run, tiny_llama3
+from generate_cli_helpers import favour_token, run, tiny_llama3
 
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
-from llama_mini.chat_format import B_SYS, E_SYS
-from llama_mini.tiktoken_tokenizer import TiktokenTokenizer
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.tokenizers.chat_format import B_SYS, E_SYS
+from llama_mini.tokenizers.llama3 import TiktokenTokenizer
+from llama_mini.tokenizers import open_tokenizer
+from llama_mini.tokenizers.spm import train_sentencepiece
 
 SYSTEM, TURNS, MAX_NEW, SEED = "Be brief.", ["Hi there", "And then?", "Why?"], 10, 7
 EOT = 128009  # Llama-3's <|eot_id|>
@@ -35,7 +36,7 @@ def chat_checkpoint(root, family, change):
     if family == "llama3":
         return tiny_llama3(root / "hf", change=lambda model: change(model, EOT))
     text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
-    tokenizer = Tokenizer.train(text.split(". "), vocab_size=300, model_path=root / "tok.model")
+    tokenizer = train_sentencepiece(text.split(". "), vocab_size=300, model_path=root / "tok.model")
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tokenizer.n_words, max_seq_len=512))
     return save_checkpoint(change(model, tokenizer.eos_id), root / "ckpt", tokenizer_path=tokenizer.model_path)
@@ -53,7 +54,7 @@ def turn_end_ckpt(request, tmp_path_factory):
 
 
 def tokenizer_of(ckpt):
-    return Tokenizer(next(p for p in (ckpt / "tokenizer.model", ckpt / "original" / "tokenizer.model") if p.is_file()))
+    return open_tokenizer(next(p for p in (ckpt / "tokenizer.model", ckpt / "original" / "tokenizer.model") if p.is_file()))
 
 
 def expected_chat(ckpt, tokenizer, temperature, send_answers=True):

@@ -7,22 +7,23 @@ import pytest
 import torch
 from llama2c_files import export_sentencepiece
 from generate_cli_helpers import (
-    LLAMA2_TOKENIZER as FIXTURE_TOKENIZER, assert_clean_error, expected_samples, favour_token, load_cli, run,
+    LLAMA2_TOKENIZER as LLAMA2_TOKENIZER, assert_clean_error, expected_samples, favour_token, load_cli, run,
     run_in_process,
 )
 
 from llama_mini import ModelArgs, Transformer, generate, save_checkpoint
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.tokenizers import open_tokenizer
+from llama_mini.tokenizers.spm import train_sentencepiece
+from fixtures import require
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """A tiny random model over Meta's 32000-token vocabulary, saved with its tokenizer."""
-    if not FIXTURE_TOKENIZER.is_file():
-        pytest.skip("Meta's Llama-2 tokenizer fixture is absent")
+    require(LLAMA2_TOKENIZER)
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=32000, multiple_of=16, max_seq_len=64))
-    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"), tokenizer_path=FIXTURE_TOKENIZER)
+    return save_checkpoint(model, tmp_path_factory.mktemp("ckpt"), tokenizer_path=LLAMA2_TOKENIZER)
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def eos_ckpt(tmp_path_factory):
     """A tiny model whose samples end with EOS after about ten tokens, or run to the limit."""
     root = tmp_path_factory.mktemp("eos")
     text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
-    tokenizer = Tokenizer.train(text.split(". "), vocab_size=300, model_path=root / "tok.model")
+    tokenizer = train_sentencepiece(text.split(". "), vocab_size=300, model_path=root / "tok.model")
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tokenizer.n_words, max_seq_len=64))
     return save_checkpoint(favour_token(model, tokenizer.eos_id, 2.1), root / "ckpt", tokenizer_path=tokenizer.model_path)
@@ -41,14 +42,14 @@ def test_prompt_is_continued_with_exactly_the_decoded_tokens(ckpt):
 
     result = run("--ckpt", ckpt, "--prompt", "Once upon a time", "--max-new-tokens", 24, "--temperature", 0)
     assert result.returncode == 0, result.stderr
-    tokenizer = Tokenizer(ckpt / "tokenizer.model")
+    tokenizer = open_tokenizer(ckpt / "tokenizer.model")
     prompt = tokenizer.encode("Once upon a time")
     new = generate(load_checkpoint(ckpt), [prompt], 24, temperature=0, eos_id=tokenizer.eos_id)[0]
     assert result.stdout == tokenizer.decode(prompt + new) + "\n"
 
 
 def test_samples_that_reach_eos_print_what_generate_returns(eos_ckpt):
-    texts, lengths = expected_samples(eos_ckpt, Tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 16, 24, seed=0)
+    texts, lengths = expected_samples(eos_ckpt, open_tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 16, 24, seed=0)
     assert 0 in lengths and 24 in lengths and any(0 < n < 24 for n in lengths)  # EOS first, never, midway
     result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 0, "--num-samples", 16)
     assert result.returncode == 0, result.stderr
@@ -57,7 +58,7 @@ def test_samples_that_reach_eos_print_what_generate_returns(eos_ckpt):
 
 
 def test_one_sample_that_ends_at_eos_prints_its_text(eos_ckpt):
-    texts, lengths = expected_samples(eos_ckpt, Tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 1, 24, seed=3)
+    texts, lengths = expected_samples(eos_ckpt, open_tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 1, 24, seed=3)
     assert 0 < lengths[0] < 24  # this seed ends at EOS
     result = run("--ckpt", eos_ckpt, "--prompt", "Tom", "--max-new-tokens", 24, "--seed", 3)
     assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
@@ -66,7 +67,7 @@ def test_one_sample_that_ends_at_eos_prints_its_text(eos_ckpt):
 
 def test_llama2c_tokenizer_bin_encodes_the_prompt_and_prints_the_text(eos_ckpt, tmp_path):
     """llama2.c's tokenizer.bin of the checkpoint's own vocabulary: the same ids, so the same text."""
-    tokenizer = Tokenizer(eos_ckpt / "tokenizer.model")
+    tokenizer = open_tokenizer(eos_ckpt / "tokenizer.model")
     texts, _ = expected_samples(eos_ckpt, tokenizer, "Tom and Sue", 3, 24, seed=0)
     tokenizer_bin = export_sentencepiece(eos_ckpt / "tokenizer.model", tmp_path / "tokenizer.bin")
     result = run("--ckpt", eos_ckpt, "--tokenizer", tokenizer_bin, "--prompt", "Tom and Sue", "--max-new-tokens", 24,
@@ -81,7 +82,7 @@ def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     monkeypatch.setattr(cli, "generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
     cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief."])
-    tokenizer = Tokenizer(ckpt / "tokenizer.model")
+    tokenizer = open_tokenizer(ckpt / "tokenizer.model")
     first_answer = tokenizer.decode([450, 1234])
     assert prompts == [
         tokenizer.encode_dialog([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
@@ -126,10 +127,9 @@ def test_prompt_longer_than_context_gives_length_and_limit(ckpt):
 
 
 def test_tokenizer_of_another_vocabulary_is_refused(tmp_path):
-    if not FIXTURE_TOKENIZER.is_file():
-        pytest.skip("Meta's Llama-2 tokenizer fixture is absent")
+    require(LLAMA2_TOKENIZER)
     save_checkpoint(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=500, multiple_of=16)), tmp_path)
-    result = run("--ckpt", tmp_path, "--tokenizer", FIXTURE_TOKENIZER, "--prompt", "Hi")
+    result = run("--ckpt", tmp_path, "--tokenizer", LLAMA2_TOKENIZER, "--prompt", "Hi")
     assert_clean_error(result, "has 32000 tokens but the model's vocabulary has 500")
 
 
@@ -150,7 +150,7 @@ def test_unknown_format_is_reported(tmp_path, capsys):
 def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eos_ckpt, tmp_path, capsys):
     import sentencepiece as spm
 
-    from llama_mini import corpus
+    from llama_mini.training import corpus
 
     lines = [line for story in corpus.stories(2000) for line in story.splitlines()]
     spm.SentencePieceTrainer.train(

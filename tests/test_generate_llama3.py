@@ -11,7 +11,7 @@ from generate_cli_helpers import (
 
 from llama_mini import generate, load_checkpoint
 from llama_mini.model import Transformer
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.tokenizers import open_tokenizer
 
 BOS, EOS, START_HEADER, END_HEADER, EOT, NEWLINES = 128000, 128001, 128006, 128007, 128009, 271
 
@@ -24,7 +24,7 @@ def hf_llama3(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tokenizer(hf_llama3):
-    return Tokenizer(hf_llama3 / "original" / "tokenizer.model")
+    return open_tokenizer(hf_llama3 / "original" / "tokenizer.model")
 
 
 def test_samples_stop_at_eot_and_print_what_generate_returns(hf_llama3, tokenizer):

@@ -1,15 +1,16 @@
 """Sampling and decoding: known answers for the filters, invariants for generate."""
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer, generate
 from llama_mini.generation import sample, stream_text, top_k_filter, top_p_filter
+from llama_mini.tokenizers import open_tokenizer
 
-FIXTURE_TOKENIZER = Path("/work/shared/fixtures/llama2-tokenizer.model")
+from fixtures import LLAMA2_TOKENIZER, require
+
 
 
 def tiny_model(seed=0, **kw):
@@ -167,11 +168,7 @@ def test_prompt_longer_than_context_is_refused_with_both_numbers():
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    if not FIXTURE_TOKENIZER.is_file():
-        pytest.skip("Meta's Llama-2 tokenizer fixture is absent")
-    from llama_mini.tokenizer import Tokenizer
-
-    return Tokenizer(FIXTURE_TOKENIZER)
+    return open_tokenizer(require(LLAMA2_TOKENIZER))
 
 
 def test_streamed_pieces_spell_the_decoded_text(tokenizer):

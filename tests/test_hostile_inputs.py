@@ -20,9 +20,9 @@ from safetensors.torch import load_file
 from llama2c_files import export  # llama2.c's export.py layout
 import llama_mini
 from llama_mini import ModelArgs, Transformer
-from llama_mini.checkpoint import save_checkpoint
-from llama_mini.run_lock import RunLock
-from llama_mini.tokenizer import Tokenizer
+from llama_mini.formats.checkpoint import save_checkpoint
+from llama_mini.training.lock import RunLock
+from llama_mini.tokenizers.spm import train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
@@ -50,8 +50,8 @@ def assert_refused(result, fragment):
 def files(tmp_path_factory):
     """A tiny model in all three formats with its tokenizer, and a second, different tokenizer."""
     root = tmp_path_factory.mktemp("ckpts")
-    tok = Tokenizer.train(TEXT.split(". "), vocab_size=300, model_path=root / "tok.model")
-    Tokenizer.train(TEXT.split(". "), vocab_size=350, model_path=root / "other.model")
+    tok = train_sentencepiece(TEXT.split(". "), vocab_size=300, model_path=root / "tok.model")
+    train_sentencepiece(TEXT.split(". "), vocab_size=350, model_path=root / "other.model")
     torch.manual_seed(0)
     model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=tok.n_words, max_seq_len=64))
     for fmt in ("native", "meta", "hf"):
@@ -138,13 +138,13 @@ BAD_CHECKPOINTS = {
     "truncated pth": ("meta", lambda d: truncate(d / "consolidated.00.pth"), "consolidated.00.pth is truncated or corrupt"),
     "params.json disagrees": ("meta", lambda d: edit_json(d / "params.json", n_kv_heads=1), "has shape (32, 32) but the config implies (16, 32)"),
     "config.json disagrees": ("hf", lambda d: edit_json(d / "config.json", intermediate_size=64), "tensor layers.0.feed_forward.w2.weight has shape (32, 256) but the config implies (32, 64)"),
-    "missing tokenizer": ("native", lambda d: (d / "tokenizer.model").unlink(), "no tokenizer.model in"),
+    "missing tokenizer": ("native", lambda d: (d / "tokenizer.model").unlink(), "neither it nor its parent holds tokenizer.model"),
     "unknown format": ("native", lambda d: (d / "config.json").unlink(), "not a checkpoint folder of a known format"),
     "nan weights": ("native", nan_weights, "NaN"),
     # Reads stay inside the folder the user named.
-    "latest climbs out": ("native", lambda d: point_latest_at(d, lambda x: "../elsewhere"), "latest names '../elsewhere', which is outside"),
-    "latest is absolute": ("native", lambda d: point_latest_at(d, str), "elsewhere', which is outside"),
-    "latest names a missing step": ("native", lambda d: (d / "latest").write_text("step-000009\n"), "latest names 'step-000009', which is not in"),
+    "latest climbs out": ("native", lambda d: point_latest_at(d, lambda x: "../elsewhere"), "latest names '../elsewhere', not a step-N checkpoint of this run"),
+    "latest is absolute": ("native", lambda d: point_latest_at(d, str), "elsewhere', not a step-N checkpoint of this run"),
+    "latest names a missing step": ("native", lambda d: (d / "latest").write_text("step-000009\n"), "latest names step-000009, which is missing from"),
     "index climbs out": ("hf", lambda d: index_naming(d, lambda x: "../x.safetensors"), "names '../x.safetensors', which is outside"),
     "index is absolute": ("hf", lambda d: index_naming(d, str), "x.safetensors', which is outside"),
     "index weight_map is a list": ("hf", lambda d: write_json(d / "model.safetensors.index.json", {"weight_map": ["model.safetensors"]}), "has no weight_map naming the weight files"),
@@ -231,7 +231,7 @@ def test_prompt_longer_than_the_context_is_refused(files):
     assert_refused(result, "but the context is 64 tokens")
 
 
-# --- python -m llama_mini.convert ----------------------------------------------------------
+# --- python -m llama_mini.formats.convert ----------------------------------------------------------
 
 
 def full_disk():  # files may not grow past 4 KiB: the first weights file cannot be written
@@ -250,17 +250,17 @@ BAD_CONVERSIONS = {
 def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
     """A refusal or a failed write leaves nothing behind that would block the next try."""
     extra, preexec, fragment = BAD_CONVERSIONS[case]
-    result = run("llama_mini.convert", files / "meta", tmp_path / "out", *extra, preexec_fn=preexec)
+    result = run("llama_mini.formats.convert", files / "meta", tmp_path / "out", *extra, preexec_fn=preexec)
     assert_refused(result, fragment)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither out nor a hidden .out.tmp-PID
-    retry = run("llama_mini.convert", files / "meta", tmp_path / "out", "--to", "meta")
+    retry = run("llama_mini.formats.convert", files / "meta", tmp_path / "out", "--to", "meta")
     assert retry.returncode == 0, retry.stderr
 
 
 def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
-    result = run("llama_mini.convert", files / "native", tmp_path / "out", "--to", "hf")
+    result = run("llama_mini.formats.convert", files / "native", tmp_path / "out", "--to", "hf")
     assert_refused(result, "already exists and is not an empty folder")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer
-from llama_mini.hf import from_hf_state_dict, hf_config_from_args, permute_from_hf, permute_to_hf, to_hf_state_dict
+from llama_mini.formats.hf import from_hf_state_dict, hf_config_from_args, permute_from_hf, permute_to_hf, to_hf_state_dict
 from llama_mini.model import ffn_hidden_dim, rope_frequencies
 
 transformers = pytest.importorskip("transformers")
@@ -88,7 +88,7 @@ def test_hf_config_reads_transformers5_rope_parameters():
     model = random_model(**CONFIGS["theta500k_ffnmult"])
     config = transformers.LlamaConfig(**hf_config_from_args(model.args)).to_dict()
     assert "rope_parameters" in config and config["rope_parameters"]["rope_theta"] == 500000.0
-    from llama_mini.hf import args_from_hf_config
+    from llama_mini.formats.hf import args_from_hf_config
 
     args = args_from_hf_config(json.loads(json.dumps(config)))
     assert (args.rope_theta, args.ffn_dim, args.n_kv_heads) == (500000.0, model.args.ffn_dim, 3)

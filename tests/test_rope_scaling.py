@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
-from llama_mini.checkpoint import meta_rope_scaling_factor
+from llama_mini.formats.meta import meta_rope_scaling_factor
 
 transformers = pytest.importorskip("transformers")
 
@@ -56,7 +56,7 @@ def hf_folder(request, tmp_path):
 
 def reference_model(args):
     torch.manual_seed(0)
-    return Transformer(args, norm_impl="reference")
+    return Transformer(args)
 
 
 def max_error(model, tokens, expected) -> float:

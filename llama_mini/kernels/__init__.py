@@ -1,14 +1,14 @@
-"""Optional CPU kernels, each behind a drop-in subclass of a torch or model.py module.
+"""CPU kernels, each applied to a built model from outside by one call; nothing in the core imports them.
 
-- fused_rmsnorm: RMSNorm in one pass over memory (model.build_norm picks it).
-- matvec: the matrix-vector products of decoding and a layer's decoding step in one call
-  (use_matvec, and the quantized layers).
+    use_fused_rmsnorm(model)   RMSNorm in one pass over memory each way (fused_rmsnorm.py)
+    use_matvec(model)          decoding steps on matrix-vector kernels, a block's step in one call (matvec.py)
 
-Both compile into one library, once per machine, the first time a model uses them (build.py);
-importing them compiles and loads nothing.
+Each swaps modules for subclasses that compute the same function faster, keeping every weight
+and state-dict name. Both kernels compile into one library, once per machine, when first
+applied (build.py); importing this package compiles and loads nothing.
 """
 
-from .fused_rmsnorm import FusedRMSNorm, fused_rms_norm
-from .matvec import MatvecLinear, use_matvec
+from .fused_rmsnorm import FusedRMSNorm, use_fused_rmsnorm
+from .matvec import use_matvec
 
-__all__ = ["FusedRMSNorm", "MatvecLinear", "fused_rms_norm", "use_matvec"]
+__all__ = ["FusedRMSNorm", "use_fused_rmsnorm", "use_matvec"]

@@ -1,19 +1,18 @@
-"""Fused RMSNorm: Meta's arithmetic in one pass over memory, forward and backward.
+"""Fused RMSNorm, applied from outside: use_fused_rmsnorm(model).
 
 Meta's eager RMSNorm launches a kernel per operation (float, pow, mean, add, rsqrt, mul,
 type_as, mul), each reading and writing the whole activation, and autograd replays as many
-in backward: on CPU it is several times slower than torch's fused nn.LayerNorm (figures in
-docs/norm_speed.md), which turns the RMSNorm paper's speed claim upside down. FusedRMSNorm
-gives RMSNorm a kernel at least as fused as LayerNorm's, so the ablation compares like with
-like:
+in backward: on CPU it is several times slower than torch's fused nn.LayerNorm, which turns
+the RMSNorm paper's speed claim upside down. The fused norm gives RMSNorm a kernel at least as
+fused as LayerNorm's, so the ablation compares like with like:
 
-- CPU: the torch operator `llama_mini::rms_norm` (`csrc/rms_norm_op.cpp`, with its autograd
-  node in C++) over the kernels of `csrc/rms_norm.cpp`. Compiled when a model first asks for
-  it, once per machine, source and torch version, and loaded into torch (build.py).
-- CUDA: Meta's formula under torch.compile; Inductor emits one Triton kernel each way.
-  (Not yet measured on a GPU.)
+- CPU: FusedRMSNorm, whose forward is the torch operator `llama_mini::rms_norm`
+  (`csrc/rms_norm_op.cpp`, with its autograd node in C++) over the kernels of
+  `csrc/rms_norm.cpp`, compiled once per machine (build.py).
+- CUDA: each RMSNorm is compiled (nn.Module.compile): Inductor fuses model.py's code into one
+  Triton kernel each way.
 
-The CPU forward pass is Meta's result bit for bit: it rounds where Meta's code rounds
+The CPU forward pass is model.RMSNorm's result bit for bit: it rounds where Meta's code rounds
 (x * rstd to the input dtype, then the product with the weight) and adds the squares in the
 order torch's sum kernel does (CpuKernel.calibrate checks this at load time; where the order
 cannot be matched the statistic may differ in its last float32 bit). The backward pass keeps
@@ -26,6 +25,7 @@ import logging
 import subprocess
 
 import torch
+from torch import nn
 
 from ..model import RMSNorm
 from . import build
@@ -44,24 +44,24 @@ CPU_DTYPES = {
 log = logging.getLogger(__name__)
 
 
-def rms_norm_eager(x, weight, eps: float, n_rms: int):
-    """Meta's RMSNorm as one function (RMSNorm.forward, with the partial prefix): what
-    Inductor fuses on CUDA, and what the CPU kernel is checked against when loaded."""
-    xf = x if x.dtype == torch.float64 else x.float()
-    x_rms = xf if n_rms == x.shape[-1] else xf[..., :n_rms]
-    return (xf * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+def model_rms_norm(x, weight, eps: float, n_rms: int):
+    """model.RMSNorm on these tensors (RMSNorm's own code, through torch.func.functional_call):
+    the known answer the CPU kernel is held to."""
+    norm = RMSNorm(x.shape[-1], eps)
+    norm.n_rms = n_rms
+    return torch.func.functional_call(norm, {"weight": weight}, (x,))
 
 
 # --- The module --------------------------------------------------------------------------------
 
 
 class FusedRMSNorm(RMSNorm):
-    """RMSNorm computed by a fused kernel: RMSNorm's numbers, in one pass over memory.
+    """RMSNorm computed by the CPU kernel: RMSNorm's numbers, in one pass over memory.
 
-    Tensors no kernel takes (another device, another dtype pair) run RMSNorm's own code,
-    after one notice per process, or raise with fallback=False. Under torch.compile RMSNorm's
-    code is traced instead: Inductor fuses it by itself, and an opaque operator would break
-    the graph.
+    Tensors the kernel does not take (another device, another dtype pair) run RMSNorm's own
+    code, after one notice per process, or raise with fallback=False. Under torch.compile
+    RMSNorm's code is traced instead: Inductor fuses it by itself, and an opaque operator would
+    break the graph.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0, fallback: bool = True):
@@ -75,49 +75,52 @@ class FusedRMSNorm(RMSNorm):
         if kernel is not None:
             return kernel(x, self.weight, self.eps, self.n_rms)
         if not self.fallback:
-            raise RuntimeError(f"FusedRMSNorm cannot run here: {reason}; build the model with norm_impl='auto' to fall back")
+            raise RuntimeError(f"FusedRMSNorm cannot run here: {reason}; apply use_fused_rmsnorm with fallback=True to fall back")
         notice_fallback(reason)
         return super().forward(x)
 
 
-def fused_rms_norm(dim: int, eps: float, p: float = 1.0, fallback: bool = True) -> RMSNorm:
-    """build_norm's RMSNorm when a fused one is asked for.
+def use_fused_rmsnorm(model: nn.Module, fallback: bool = True) -> nn.Module:
+    """Run model's RMSNorms fused; returns model.
 
-    The CPU kernel is compiled (once per machine) or loaded here, when the model is built,
-    so a one-time build comes before any training starts. Where no fused kernel can run,
-    fallback=True (norm_impl "auto") gives the reference RMSNorm after one notice, and
-    fallback=False ("fused") raises.
+    On CPU each RMSNorm becomes a FusedRMSNorm (its class is swapped: the weight, the state-dict
+    names and the numbers stay), and the kernel is compiled (once per machine) or loaded now,
+    so a one-time build comes before any training starts. On CUDA each RMSNorm is compiled.
+    Where neither can run, fallback=True leaves the model's own RMSNorm after one notice, and
+    fallback=False raises. Apply it after the model is on its device.
     """
-    reason = cpu_kernel()[1]
-    if reason is None or _cuda_fusable():
-        return FusedRMSNorm(dim, eps, p, fallback)
-    if not fallback:
-        raise RuntimeError(f"norm_impl 'fused' cannot run here: {reason}; use norm_impl 'auto' to fall back to the reference")
-    notice_fallback(reason)
-    return RMSNorm(dim, eps, p)
+    norms = [m for m in model.modules() if type(m) is RMSNorm]
+    device = norms[0].weight.device.type if norms else "cpu"
+    if device == "cuda" and _cuda_fusable():
+        for norm in norms:
+            norm.compile()
+        return model
+    reason = cpu_kernel()[1] if device == "cpu" else f"no fused kernel for device {device}"
+    if reason is not None:
+        if not fallback:
+            raise RuntimeError(f"fused RMSNorm cannot run here: {reason}; apply it with fallback=True to keep the reference")
+        if norms:
+            notice_fallback(reason)
+        return model
+    for norm in norms:
+        norm.__class__, norm.fallback = FusedRMSNorm, fallback
+    return model
 
 
 @functools.cache
 def kernel_for(device_type: str, x_dtype: torch.dtype, weight_dtype: torch.dtype):
-    """(the fused function for such tensors, None), or (None, why there is none)."""
-    if device_type == "cpu":
-        if (x_dtype, weight_dtype) not in CPU_DTYPES:
-            return None, f"no CPU kernel for {x_dtype} input with {weight_dtype} weight"
-        return cpu_kernel()
-    if device_type == "cuda":
-        return (_compiled_eager(), None) if _cuda_fusable() else (None, "torch.compile needs Triton on CUDA")
-    return None, f"no fused kernel for device {device_type}"
+    """(the CPU kernel for such tensors, None), or (None, why there is none)."""
+    if device_type != "cpu":
+        return None, f"no fused kernel for device {device_type}"
+    if (x_dtype, weight_dtype) not in CPU_DTYPES:
+        return None, f"no CPU kernel for {x_dtype} input with {weight_dtype} weight"
+    return cpu_kernel()
 
 
 @functools.cache
 def notice_fallback(reason: str) -> None:
     """Say once per process (per reason) that the reference code runs instead of the kernel."""
     log.warning("llama_mini: fused RMSNorm unavailable (%s); using the reference implementation", reason)
-
-
-@functools.cache
-def _compiled_eager():
-    return torch.compile(rms_norm_eager, dynamic=None)
 
 
 def _cuda_fusable() -> bool:
@@ -163,12 +166,12 @@ class CpuKernel:
         return self.op(x, weight, eps, n_rms, self.vector_bytes)
 
     def calibrate(self) -> None:
-        """Pick the vector width at which the forward pass equals Meta's code bit for bit,
+        """Pick the vector width at which the forward pass equals model.RMSNorm bit for bit,
         on rows of widely spread magnitudes where any other summation order would show."""
         g = torch.Generator().manual_seed(0)
         x = torch.randn(16, 203, generator=g) * torch.exp2(torch.randint(-8, 8, (16, 203), generator=g).float())
         w = torch.ones(203)
-        expected = rms_norm_eager(x, w, 1e-5, 203)
+        expected = model_rms_norm(x, w, 1e-5, 203)
         for self.vector_bytes in (32, 64, 16, 8, 4):
             if torch.equal(self(x, w, 1e-5, 203), expected):
                 self.bitwise_meta = True
@@ -179,16 +182,16 @@ class CpuKernel:
 
 def _self_check(kernel: CpuKernel) -> None:
     """Refuse a kernel that compiled but computes something else (a miscompile, an
-    ABI surprise): one small forward and backward against the eager formula."""
+    ABI surprise): one small forward and backward against model.RMSNorm."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(5, 48, generator=g, requires_grad=True)
     w = (torch.rand(48, generator=g) + 0.5).requires_grad_()
     dy = torch.randn(5, 48, generator=g)
     for n_rms in (48, 7):
-        expected = rms_norm_eager(x, w, 1e-5, n_rms)
+        expected = model_rms_norm(x, w, 1e-5, n_rms)
         ex_dx, ex_dw = torch.autograd.grad(expected, (x, w), dy)
         got = kernel(x, w, 1e-5, n_rms)
         dx, dw = torch.autograd.grad(got, (x, w), dy)
         for a, b in ((got, expected), (dx, ex_dx), (dw, ex_dw)):
             if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
-                raise RuntimeError("the compiled kernel disagrees with the reference formula")
+                raise RuntimeError("the compiled kernel disagrees with model.RMSNorm")

@@ -1,17 +1,17 @@
-"""Matrix-vector products for decoding: every weight streamed once, at memory speed.
+"""Decoding on the CPU kernels, applied from outside: use_matvec(model).
 
 Decoding a token multiplies each weight matrix by one activation row, so on a CPU tokens/s is
 bounded by memory bandwidth / weight bytes. torch's CPU kernels are matrix-matrix kernels run
-at one row: on a 2-core machine they read bf16 weights at well under the copy bandwidth, and
-the int8 and int4 kernels convert every weight to float (figures in docs/generate_speed.md).
-The operators of csrc/matvec.cpp stream the weights in bands per thread and, for integer
-weights, multiply integers as llama.cpp does (activations rounded to int8 in blocks of 32).
+at one row, and its int8 and int4 kernels convert every weight to float. The operators of
+csrc/matvec.cpp stream the weights in bands per thread and, for integer weights, multiply
+integers with the activations rounded to int8 in blocks of 32 (quant/layers.py's definition,
+as llama.cpp does).
 
-They run for inputs of at most MAX_ROWS rows (a decoding step, a short prompt), on CPU,
-without autograd; everything else (a long prompt, training, CUDA) runs torch's kernels.
-use_matvec also gives each transformer block decode_layer, which runs a decoding step of the
-whole block in one call. Compiled with the fused RMSNorm (build.py), and self-checked when
-first loaded.
+use_matvec swaps the class of each linear layer and transformer block for a subclass that adds
+a fast path and keeps the module's state: inputs of at most MAX_ROWS rows (a decoding step, a
+short prompt) on CPU, without autograd, run the kernels, and a block's decoding step runs in one
+call (decode_layer). Everything else runs the parent class's own code. Compiled with the fused
+RMSNorm (build.py), and checked against known answers when first loaded.
 """
 
 import functools
@@ -22,14 +22,15 @@ import weakref
 import torch
 from torch import nn
 
-from ..model import RMSNorm
+from ..model import RMSNorm, TransformerBlock
+from ..quant.layers import Int4Linear, Int8Linear, quantized_activations
+from ..quant.layout import interleave_rows, pack_int4, pack_int8
 from . import build
 from .fused_rmsnorm import cpu_kernel
 
 # Rows of x up to which the matrix-vector kernels beat torch's matrix-matrix ones: each row
 # costs the kernels a pass over the weights in cache.
 MAX_ROWS = 16
-BLOCK = 32  # activations per int8 block (csrc/matvec.h)
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +74,73 @@ class MatvecLinear(nn.Linear):
         ops = operators_for(x, self.weight) if self.bias is None else None
         return super().forward(x) if ops is None else ops.matvec_dense(x, self.weight)
 
-    def kernel_operands(self):
-        """(weight, scales, zeros) as decode_layer passes them to the kernels, or None."""
-        return (self.weight, None, None) if self.bias is None and self.weight.dtype in FLOATS else None
+
+class MatvecInt8Linear(Int8Linear):
+    """Int8Linear whose decoding steps run the integer kernel (rows held in sets of eight)."""
+
+    def forward(self, x):
+        ops = operators_for(x, self.scales) if self.rows_of_8 else None
+        return super().forward(x) if ops is None else ops.matvec_int8(x, self.weight, self.scales)
+
+
+class MatvecInt4Linear(Int4Linear):
+    """Int4Linear whose decoding steps run the integer kernel."""
+
+    def forward(self, x):
+        ops = operators_for(x, self.scales)
+        return super().forward(x) if ops is None else ops.matvec_int4(x, self.weight, self.scales, self.zeros)
+
+
+class KernelBlock(TransformerBlock):
+    """TransformerBlock whose decoding steps (one position, read from a KV cache) run in one call.
+
+    On a CPU a decoding step is so small that the thirty-odd eager calls of the block's own
+    code cost as much as its arithmetic."""
+
+    def forward(self, x, cos, sin, start_pos: int = 0):
+        if x.shape[1] == 1 and self.attention.cache is not None:
+            out = decode_layer(self, x, cos, sin, start_pos)
+            if out is not None:
+                return out
+        return super().forward(x, cos, sin, start_pos)
+
+
+# The subclass each module's class becomes under use_matvec.
+FASTER = {nn.Linear: MatvecLinear, Int8Linear: MatvecInt8Linear, Int4Linear: MatvecInt4Linear, TransformerBlock: KernelBlock}
+
+
+def use_matvec(model: nn.Module) -> nn.Module:
+    """Run model's decoding steps on the kernels; returns model.
+
+    Each nn.Linear, Int8Linear, Int4Linear and TransformerBlock of model gets the subclass of
+    FASTER as its class: the module keeps its parameters, buffers and state-dict names, and gains
+    the kernels' fast path. Builds or loads the kernels now (a first build says so), not at the
+    first token; where they cannot run, model is left as it is.
+    """
+    if operators() is None:
+        return model
+    for module in model.modules():
+        module.__class__ = FASTER.get(type(module), type(module))
+    return model
+
+
+def kernel_operands(linear):
+    """(weight, scales, zeros) of a linear layer as decode_layer passes them, or None where the
+    kernels do not take it."""
+    if isinstance(linear, Int8Linear):
+        return (linear.weight, linear.scales, None) if linear.rows_of_8 else None
+    if isinstance(linear, Int4Linear):
+        return linear.weight, linear.scales, linear.zeros
+    if isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
+        return linear.weight, None, None
+    return None
 
 
 HEAD_DIMS = (8, 16, 32, 64, 128)  # the head sizes the attention kernel takes
 
 
 def decode_layer(block, x, cos, sin, start_pos: int):
-    """TransformerBlock.decode_step on the kernels: the norms, the seven products, RoPE, the
+    """A block's decoding step on the kernels: the norms, the seven products, RoPE, the
     cache write, attention and the residual adds of one decoded position, in one call (the
     operator llama_mini::decode_layer, csrc/decode_layer_op.cpp). None where the kernels
     cannot run the block: the model's own code then runs, and says what is wrong if anything is."""
@@ -99,8 +157,8 @@ def decode_layer(block, x, cos, sin, start_pos: int):
 
 
 # A block's operands, gathered once per KV cache (setup_cache begins each generation, and a
-# model is not changed in the middle of one): reading them from the modules costs about a
-# microsecond per attribute, tens of microseconds a layer, as much as a small layer's arithmetic.
+# model is not changed in the middle of one): reading a layer's twenty-odd module attributes
+# costs as much as a small layer's arithmetic.
 _layer_operands = weakref.WeakKeyDictionary()
 
 
@@ -116,7 +174,7 @@ def _gather_operands(block, dtype):
         return False, None
     ffn = block.feed_forward
     linears = (attention.wq, attention.wk, attention.wv, attention.wo, ffn.w1, ffn.w2, ffn.w3)
-    operands = [linear.kernel_operands() if hasattr(linear, "kernel_operands") else None for linear in linears]
+    operands = [kernel_operands(linear) for linear in linears]
     rms_norm = cpu_kernel()[0]
     if None in operands or rms_norm is None or norms[0].eps != norms[1].eps:
         return False, None
@@ -125,39 +183,7 @@ def _gather_operands(block, dtype):
     return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, rms_norm.vector_bytes, weights, scales, zeros, cache.k, cache.v)
 
 
-def use_matvec(model: nn.Module) -> nn.Module:
-    """Run model's decoding steps on the kernels; returns model.
-
-    Every plain nn.Linear becomes a MatvecLinear sharing its weight, and every transformer
-    block runs its decoding steps with decode_layer. Builds or loads the kernels now (a first
-    build says so), not at the first token; where they cannot run, model is left as it is.
-    """
-    if operators() is None:
-        return model
-    for module in model.modules():
-        if hasattr(module, "decode_step"):
-            module.decode_step = decode_layer
-    for parent in list(model.modules()):
-        for name, child in parent.named_children():
-            if type(child) is nn.Linear:
-                with torch.device("meta"):
-                    faster = MatvecLinear(child.in_features, child.out_features, bias=child.bias is not None)
-                faster.weight, faster.bias = child.weight, child.bias
-                setattr(parent, name, faster)
-    return model
-
-
 # --- Known answers at load ---------------------------------------------------------------------
-
-
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the integer kernels see it: rounded to int8 in blocks of 32 along the last axis,
-    each block with the scale absmax / 127 (float32 arithmetic, ties to even)."""
-    blocks = x.float().unflatten(-1, (-1, BLOCK))
-    absmax = blocks.abs().amax(-1, keepdim=True)
-    inverse = torch.div(torch.tensor(127.0), absmax)  # not 127 / absmax: torch computes that as 127 * (1 / absmax)
-    codes = torch.round(blocks * torch.where(absmax > 0, inverse, 0.0))
-    return (codes * (absmax / 127)).flatten(-2)
 
 
 def _self_check(ops) -> None:
@@ -181,53 +207,3 @@ def _self_check(ops) -> None:
         for got, expected in checks:
             if got.dtype != dtype or not torch.allclose(got.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3):
                 raise RuntimeError("the compiled matrix-vector kernels disagree with the reference")
-
-
-# --- The integer layouts (csrc/matvec.h) ------------------------------------------------------
-#
-# Rows in sets of eight, so that one load feeds eight rows. int8: for each set, runs of 32 bytes
-# in input order, bytes 4j..4j+3 of run c holding inputs 4c..4c+3 of row j. int4: for each set
-# and block of 32 inputs, 128 bytes; in run c (32 bytes) of a block, bytes 4j..4j+3 are row j's,
-# byte 4j + u holding input 8c + u in its low nibble and 8c + 4 + u in its high nibble. int4's
-# scales and zeros likewise hold the eight rows of a set side by side.
-
-ROW_SET = 8
-
-
-def pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes (n, k), n % 8 == 0 and k % 32 == 0 -> the kernel's layout (n / 8, 8 k)."""
-    n, k = codes.shape
-    return codes.reshape(n // ROW_SET, ROW_SET, k // 4, 4).transpose(1, 2).reshape(n // ROW_SET, ROW_SET * k)
-
-
-def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int8's inverse: (n / 8, 8 k) -> (n, k)."""
-    sets, k = packed.shape[0], packed.shape[1] // ROW_SET
-    return packed.reshape(sets, k // 4, ROW_SET, 4).transpose(1, 2).reshape(sets * ROW_SET, k)
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..15 (n, k), n % 8 == 0 and k % 32 == 0 -> the kernel's bytes (n / 8, 4 k)."""
-    n, k = codes.shape
-    nibbles = codes.reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, high?, u
-    bytes_ = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # set, row, block, run, u
-    return bytes_.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, 4 * k)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int4's inverse: (n / 8, 4 k) bytes -> codes (n, k)."""
-    sets, k = packed.shape[0], packed.shape[1] // 4
-    bytes_ = packed.reshape(sets, k // BLOCK, 4, ROW_SET, 4)  # set, block, run, row, u
-    nibbles = torch.stack((bytes_ & 0xF, bytes_ >> 4), dim=-2)  # set, block, run, row, high?, u
-    return nibbles.permute(0, 3, 1, 2, 4, 5).reshape(sets * ROW_SET, k)
-
-
-def interleave_rows(t: torch.Tensor) -> torch.Tensor:
-    """(n, groups) -> (n / 8, groups * 8): each set's eight rows side by side."""
-    n, groups = t.shape
-    return t.reshape(n // ROW_SET, ROW_SET, groups).transpose(1, 2).reshape(n // ROW_SET, groups * ROW_SET)
-
-
-def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
-    sets, width = t.shape
-    return t.reshape(sets, width // ROW_SET, ROW_SET).transpose(1, 2).reshape(sets * ROW_SET, width // ROW_SET)

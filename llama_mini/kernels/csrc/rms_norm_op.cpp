@@ -88,7 +88,7 @@ struct RMSNormFunction : public torch::autograd::Function<RMSNormFunction> {
         // The gradients are written by the kernel, outside autograd: differentiating them
         // again (create_graph=True) would silently give zero.
         TORCH_CHECK(!at::GradMode::is_enabled(), "llama_mini::rms_norm: the fused backward cannot be "
-                    "differentiated again; build the model with norm_impl='reference' for higher-order gradients");
+                    "differentiated again; leave use_fused_rmsnorm out for higher-order gradients");
         const variable_list saved = ctx->get_saved_variables();
         const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
         const at::Tensor dy = grads[0].contiguous();

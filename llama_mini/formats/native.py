@@ -1,0 +1,75 @@
+"""Our own checkpoint: a folder of config.json ({"llama_mini": ModelArgs fields}, and a
+"quantization" record for int8/int4 weights), model.safetensors and, when known, the
+tokenizer.model it was trained with. A training run folder holds one per saved step, named
+step-N, and a `latest` file naming the newest complete one.
+"""
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+from typing import Optional
+
+from safetensors.torch import save_file
+
+from ..quant import read_quantization
+from .config_check import model_args
+from .files import read_json, read_safetensors, write_file
+
+CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
+CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def step_of(name: str) -> int:
+    """The step number of a checkpoint name: step-1000000 comes after step-999998."""
+    return int(CHECKPOINT_NAME.fullmatch(name)[1])
+
+
+def read_latest(run_folder: Path) -> Optional[Path]:
+    """The checkpoint a run folder's `latest` names, or None where there is no `latest`. Only one
+    of the folder's own step-N folders is taken: the name is read from a file, and a name that
+    leaves the folder is refused."""
+    pointer = run_folder / LATEST
+    if not pointer.is_file():
+        return None
+    with open(pointer, "rb") as f:
+        name = f.read(256).decode(errors="replace").strip()  # a checkpoint's name is short
+    if not CHECKPOINT_NAME.fullmatch(name):
+        raise ValueError(f"{pointer} names {name[:80]!r}, not a step-N checkpoint of this run")
+    if not (run_folder / name).is_dir():
+        raise ValueError(f"{pointer} names {name}, which is missing from {run_folder}; pass one of its step folders instead")
+    return run_folder / name
+
+
+def is_native(path: Path) -> bool:
+    return (path / CONFIG).is_file() and "llama_mini" in read_json(path / CONFIG)
+
+
+def read_native(path: Path):
+    """(ModelArgs, state dict, quantization record or None) of our checkpoint folder."""
+    fields = read_json(path / CONFIG)
+    config = fields["llama_mini"]
+    if not isinstance(config, dict):
+        raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
+    # norm_impl: how RMSNorm ran, saved by older versions; now a layer applied from outside.
+    args = model_args({k: v for k, v in config.items() if k != "norm_impl"}, path / CONFIG)
+    quantization = read_quantization(fields["quantization"], path / CONFIG) if "quantization" in fields else None
+    state = read_safetensors(path / WEIGHTS, quantized=quantization is not None)
+    if args.tie_embeddings and "tok_embeddings.weight" in state:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return args, state, quantization
+
+
+def write_native(model, path: Path) -> None:
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.args.tie_embeddings:
+        del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
+    write_file(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    config = {"llama_mini": dataclasses.asdict(model.args)}
+    if getattr(model, "quantization", None):
+        config["quantization"] = model.quantization
+    write_file(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

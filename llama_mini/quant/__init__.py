@@ -1,0 +1,97 @@
+"""Weight-only quantization, applied to a model from outside: quantize(model, "int8" | "int4").
+
+The surgery swaps each nn.Linear of a model for an int8 or int4 layer (layers.py) in place, as
+gpt-fast's quantize.py does; model.py knows nothing of it. The token embedding stays in the
+model's dtype: a decoding step reads one of its rows, so quantizing it saves memory but no time.
+The output head is int8 under both methods: it is the largest matrix of a small model and the
+one whose errors reach the logits undamped (llama.cpp likewise keeps the head at higher
+precision in its Q4 files).
+
+A quantized checkpoint stores the layers' buffers as they are held (layout.py), with a record
+in config.json that says how (quantization_record); empty_quantized_model builds the layers
+to load them into without ever holding full-precision weights.
+"""
+
+import torch
+from torch import nn
+
+from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from .layout import ROW_SET, pack_int8
+
+QUANTIZATIONS = ("int8", "int4")
+INT4_LAYOUT = "rows-of-8"  # recorded with int4 checkpoints: how codes, scales and zeros are laid out
+
+
+def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
+    """Replace model's linear layers by quantized ones, in place and one at a time (so at most one
+    float matrix beyond the quantized ones is alive); returns model. The head is int8 either way."""
+    check_method(method)
+    for parent, name, linear in _linears(model):
+        weight = linear.weight.detach()
+        if method == "int8" or linear is model.output:
+            setattr(parent, name, Int8Linear.from_weight(weight))
+        else:
+            setattr(parent, name, Int4Linear.from_weight(weight, group_size))
+    # The head is now a matrix of its own, no longer the embedding table: say so, so that the
+    # config saved with these tensors describes them.
+    model.args.tie_embeddings = False
+    model.quantization = quantization_record(method, group_size)
+    return model
+
+
+def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
+    """model (built on the meta device, for load_state_dict(assign=True)) with quantized layers
+    of the right shapes in place of its linear layers: the full-precision weights never exist."""
+    method, group_size = quantization["method"], quantization["group_size"]
+    for parent, name, linear in _linears(model):
+        if method == "int8" or linear is model.output:
+            setattr(parent, name, Int8Linear(linear.in_features, linear.out_features))
+        else:
+            setattr(parent, name, Int4Linear(linear.in_features, linear.out_features, group_size))
+    model.quantization = dict(quantization)
+    return model
+
+
+def _linears(model: nn.Module):
+    """(parent, attribute name, layer) of every nn.Linear in model, listed before any is replaced."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
+def upgrade_int8_layout(state: dict, expected: dict) -> None:
+    """Put int8 rows that state holds plain, (out, in), in the sets-of-eight layout where expected
+    (an empty model's state dict) has it, (out / 8, 8 in); in place, one matrix at a time."""
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if want is not None and tensor.dtype == want.dtype == torch.int8 and want.dim() == 2:
+            if tuple(tensor.shape) == (want.shape[0] * ROW_SET, want.shape[1] // ROW_SET):
+                state[name] = pack_int8(tensor)
+
+
+def parameter_count(model: nn.Module) -> int:
+    """The model's parameters, counting each quantized weight once (they are buffers, not parameters)."""
+    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    return quantized + sum(p.numel() for p in model.parameters())
+
+
+def check_method(method: str) -> None:
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZATIONS)}")
+
+
+def read_quantization(record, source) -> dict:
+    """The quantization record of a config.json, checked: {"method": ..., "group_size": ...}."""
+    if not isinstance(record, dict) or record.get("method") not in QUANTIZATIONS:
+        raise ValueError(f"{source} has a quantization record llama_mini does not know ({record!r}); convert the checkpoint again")
+    group_size = record.get("group_size", DEFAULT_GROUP_SIZE)
+    if record["method"] == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"{source}: int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
+    if record["method"] == "int4" and record.get("layout") != INT4_LAYOUT:
+        raise ValueError(f"{source} holds int4 codes in an older layout; convert the checkpoint again from its source")
+    return quantization_record(record["method"], group_size)
+
+
+def quantization_record(method: str, group_size: int) -> dict:
+    """What config.json says of a quantized checkpoint."""
+    record = {"method": method, "group_size": group_size}
+    return record | {"layout": INT4_LAYOUT} if method == "int4" else record

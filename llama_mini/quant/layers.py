@@ -1,0 +1,153 @@
+"""int8 and int4 linear layers: the function each computes, in plain torch.
+
+Decoding one token reads every weight once, so on a CPU tokens/s is bounded by memory
+bandwidth / weight bytes: fewer bytes per weight is the speed-up. Both layers compute
+
+    y = quantized_activations(x) @ W^T
+
+with W the dequantized weight and quantized_activations(x) the input rounded to int8 in blocks
+of 32 along its features (llama.cpp's Q8_0 activations), whatever the number of rows, so a
+prompt's logits do not depend on what else is in its batch. The arithmetic is float32 and y has
+x's dtype. This is the definition the CPU kernels (kernels/matvec.py) are held to; here it is
+computed directly, with the weight dequantized on each call.
+
+- int8: symmetric, one scale per output row: w ~= q * scale, q in [-127, 127]. Rows of a
+  trained Llama differ in range far more than the values within one row do, so one scale per
+  row loses little (the quality tests bound it).
+- int4: groups of `group_size` consecutive inputs of a row (default 32, llama.cpp's Q4_0 block),
+  asymmetric: w ~= (q - 8) * scale + zero, q in [0, 15], where zero is the value code 8 stands
+  for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
+  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters.
+
+Codes, scales and zeros are held in the layout of layout.py where the shape allows it.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .layout import BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int8, unpack_int4, unpack_int8
+
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_GROUP_SIZE = 32
+
+
+def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x in float32 as the integer layers see it: cut into blocks of 32 along the last axis (the
+    last block shorter where the features are not a multiple of 32), each block rounded to int8
+    with the scale absmax / 127 (float32 arithmetic, ties to even)."""
+    features = x.shape[-1]
+    padded = F.pad(x.float(), (0, -features % BLOCK))  # zeros change no block's absmax
+    blocks = padded.unflatten(-1, (-1, BLOCK))
+    absmax = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.div(torch.tensor(127.0), absmax)  # not 127 / absmax: torch computes that as 127 * (1 / absmax)
+    codes = torch.round(blocks * torch.where(absmax > 0, inverse, 0.0))
+    return (codes * (absmax / 127)).flatten(-2)[..., :features]
+
+
+class Int8Linear(nn.Module):
+    """y = quantized_activations(x) W^T with W stored as int8 rows and one scale per row (in the
+    model's dtype). Rows are held in sets of eight (layout.py) where out_features % 8 == 0 and
+    in_features % 32 == 0, as in every Llama matrix; other shapes keep plain rows."""
+
+    def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.rows_of_8 = out_features % ROW_SET == 0 and in_features % BLOCK == 0
+        shape = (out_features // ROW_SET, ROW_SET * in_features) if self.rows_of_8 else (out_features, in_features)
+        self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=device))
+        self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
+        layer = cls(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
+        codes, layer.scales = quantize_int8(weight)
+        layer.weight = pack_int8(codes) if layer.rows_of_8 else codes
+        return layer
+
+    def codes(self) -> torch.Tensor:
+        """The codes as int8 (out_features, in_features)."""
+        return unpack_int8(self.weight) if self.rows_of_8 else self.weight
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.codes().float() * self.scales.float()[:, None]).to(self.scales.dtype)
+
+    def forward(self, x):
+        return F.linear(quantized_activations(x), self.dequantize().float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+
+
+class Int4Linear(nn.Module):
+    """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
+    each with a scale and a zero."""
+
+    def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
+                 dtype=torch.float32, device=None):
+        super().__init__()
+        check_int4_shape(in_features, out_features, group_size)
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        sets, groups = out_features // ROW_SET, in_features // group_size
+        self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
+        self.register_buffer("zeros", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
+        layer = cls(weight.shape[1], weight.shape[0], group_size, weight.dtype, weight.device)
+        codes, scales, zeros = quantize_int4(weight, group_size)
+        layer.weight, layer.scales, layer.zeros = pack_int4(codes), interleave_rows(scales), interleave_rows(zeros)
+        return layer
+
+    def codes(self) -> torch.Tensor:
+        """The codes 0..15 as uint8 (out_features, in_features)."""
+        return unpack_int4(self.weight)
+
+    def group_scales_and_zeros(self):
+        """(scales, zeros), each (out_features, groups)."""
+        return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
+
+    def dequantize(self) -> torch.Tensor:
+        scales, zeros = self.group_scales_and_zeros()
+        codes = self.codes().float().unflatten(-1, (-1, self.group_size))
+        w = (codes - 8) * scales.float()[..., None] + zeros.float()[..., None]
+        return w.flatten(-2).to(scales.dtype)
+
+    def forward(self, x):
+        return F.linear(quantized_activations(x), self.dequantize().float()).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, got {group_size}")
+    if in_features % group_size:
+        fix = "use int8" if in_features % DEFAULT_GROUP_SIZE else f"use group size {DEFAULT_GROUP_SIZE}"
+        raise ValueError(f"int4 needs every input size divisible by the group size {group_size}; {in_features} is not ({fix})")
+    if out_features % ROW_SET:
+        raise ValueError(f"int4 needs every output size divisible by {ROW_SET}; {out_features} is not (use int8)")
+
+
+# --- Quantizers (float weights -> codes and scales) --------------------------------------
+
+
+def quantize_int8(weight: torch.Tensor):
+    """(int8 codes, scales in weight's dtype). The codes are computed with the scales as stored,
+    so dequantizing gives each weight to within half a (stored) scale."""
+    absmax = weight.float().abs().amax(dim=1)
+    scales = (absmax / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+    codes = torch.round(weight.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int):
+    """(codes 0..15 as uint8 (out, in), scales, zeros (out, in // group_size) in weight's dtype)."""
+    groups = weight.float().unflatten(-1, (-1, group_size))
+    low, high = groups.amin(-1), groups.amax(-1)
+    scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+    zeros = (low + 8 * scales.float()).to(weight.dtype)
+    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 8
+    return codes.clamp(0, 15).to(torch.uint8).flatten(-2), scales, zeros

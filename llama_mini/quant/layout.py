@@ -1,0 +1,54 @@
+"""How int8 and int4 weights are laid out, in memory and in a quantized checkpoint alike.
+
+Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/matvec.h) feeds
+eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
+inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
+bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
+and 8c + 4 + u in its high nibble. int4's scales and zeros likewise hold the eight rows of a set
+side by side. Loading a checkpoint is then a plain read.
+"""
+
+import torch
+
+ROW_SET = 8  # rows interleaved together
+BLOCK = 32  # inputs per block
+
+
+def pack_int8(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes (n, k), n % 8 == 0 and k % 32 == 0 -> the layout (n / 8, 8 k)."""
+    n, k = codes.shape
+    return codes.reshape(n // ROW_SET, ROW_SET, k // 4, 4).transpose(1, 2).reshape(n // ROW_SET, ROW_SET * k)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int8's inverse: (n / 8, 8 k) -> (n, k)."""
+    sets, k = packed.shape[0], packed.shape[1] // ROW_SET
+    return packed.reshape(sets, k // 4, ROW_SET, 4).transpose(1, 2).reshape(sets * ROW_SET, k)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 4 k)."""
+    n, k = codes.shape
+    nibbles = codes.reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, high?, u
+    bytes_ = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # set, row, block, run, u
+    return bytes_.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, 4 * k)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: (n / 8, 4 k) bytes -> codes (n, k)."""
+    sets, k = packed.shape[0], packed.shape[1] // 4
+    bytes_ = packed.reshape(sets, k // BLOCK, 4, ROW_SET, 4)  # set, block, run, row, u
+    nibbles = torch.stack((bytes_ & 0xF, bytes_ >> 4), dim=-2)  # set, block, run, row, high?, u
+    return nibbles.permute(0, 3, 1, 2, 4, 5).reshape(sets * ROW_SET, k)
+
+
+def interleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """(n, groups) -> (n / 8, groups * 8): each set's eight rows side by side."""
+    n, groups = t.shape
+    return t.reshape(n // ROW_SET, ROW_SET, groups).transpose(1, 2).reshape(n // ROW_SET, groups * ROW_SET)
+
+
+def deinterleave_rows(t: torch.Tensor) -> torch.Tensor:
+    """interleave_rows' inverse."""
+    sets, width = t.shape
+    return t.reshape(sets, width // ROW_SET, ROW_SET).transpose(1, 2).reshape(sets * ROW_SET, width // ROW_SET)

@@ -1,0 +1,30 @@
+"""What every tokenizer family offers: Meta's interface, plus the ids that end a generation
+and the family's chat prompt."""
+
+from . import chat_format
+
+
+class Tokenizer:
+    """encode(text, bos=True, eos=False) -> ids and decode(ids) -> text, with Meta's attributes:
+    bos_id, eos_id, pad_id (-1: none), n_words and model_path (the file it was read from)."""
+
+    model_path: str
+    n_words: int
+    bos_id: int
+    eos_id: int
+    pad_id: int
+
+    def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
+        raise NotImplementedError
+
+    def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """The ids that end a generation: Llama-2 has one, its EOS."""
+        return [self.eos_id]
+
+    def encode_dialog(self, dialog: list[dict]) -> list[int]:
+        """The prompt ids of Meta's chat_completion for a list of {"role", "content"} turns."""
+        return chat_format.llama2_dialog(self, dialog)

@@ -1,0 +1,85 @@
+"""Hugging Face's tokenizer.json of a Llama-3 model, read back as the tiktoken ranks it was made from.
+
+transformers made the Hub's Llama-3 tokenizer.json from Meta's tokenizer.model: the rank of
+a token became its id, its bytes were spelled in GPT-2's byte-to-character alphabet, and
+every split of a token into two tokens became a merge rule, ordered by the rank of the
+token it makes. Reading that back gives Meta's ranks, so encoding is exactly Meta's. A file
+that was not made that way (another pre-tokenizer, merges in another order) is refused,
+because BPE by merge rules and BPE by ranks would then tokenize differently.
+"""
+
+import json
+from pathlib import Path
+
+from .llama3 import PAT_STR, TiktokenTokenizer
+
+MAX_FILE_BYTES = 256 << 20  # the Llama-3 file is 9 MB; a bigger one is not a tokenizer.json we read
+
+
+class HfTokenizerJson(TiktokenTokenizer):
+    """Llama-3's tokenizer, from Hugging Face's tokenizer.json instead of Meta's tokenizer.model."""
+
+    @staticmethod
+    def read(path):
+        return read_tokenizer_json(path)
+
+
+def read_tokenizer_json(path) -> tuple[dict[bytes, int], dict[str, int]]:
+    """(mergeable ranks, special tokens) of a Llama-3-style tokenizer.json, or one line saying why not."""
+    path = Path(path)
+
+    def refuse(why):
+        return ValueError(
+            f"{path} is not a Llama-3 tokenizer.json that llama_mini reads exactly ({why}); pass --tokenizer with "
+            "Meta's tokenizer.model (Meta's Hugging Face repositories keep it in original/)"
+        )
+
+    if path.stat().st_size > MAX_FILE_BYTES:
+        raise refuse(f"{path.stat().st_size} bytes")
+    try:
+        config = json.loads(path.read_bytes())
+        model, pre = config["model"], config["pre_tokenizer"]
+        steps = pre["pretokenizers"] if pre["type"] == "Sequence" else [pre]
+        split, byte_level = steps
+    except (ValueError, KeyError, TypeError):
+        raise refuse("not the layout transformers writes for Llama-3") from None
+    if model.get("type") != "BPE" or config.get("normalizer") is not None or split.get("pattern") != {"Regex": PAT_STR}:
+        raise refuse("not byte-level BPE with Meta's pre-tokenizer")
+    if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space"):
+        raise refuse("not byte-level BPE with Meta's pre-tokenizer")
+    alphabet = _byte_alphabet()
+    try:
+        if not set("".join(model["vocab"])) <= alphabet.keys():
+            raise refuse("a token outside the byte-level alphabet")
+        table = str.maketrans(alphabet)
+        spelled = {token: token.translate(table).encode("latin-1") for token in model["vocab"]}
+        ranks = {spelled[token]: i for token, i in model["vocab"].items()}
+        merges = [tuple(spelled[part] for part in (m.split(" ") if isinstance(m, str) else m)) for m in model["merges"]]
+        special = {t["content"]: t["id"] for t in config["added_tokens"] if t["id"] >= len(ranks)}
+    except (KeyError, TypeError, AttributeError):
+        raise refuse("its merge rules are not every split of every token") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise refuse("its token ids are not 0..n-1 once each")
+    if not _merges_follow_ranks(ranks, merges):
+        raise refuse("its merge rules are not every split of every token, in the order of the token's rank")
+    if not {"<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"} <= special.keys():
+        raise refuse("it lacks Llama-3's special tokens")
+    return ranks, special
+
+
+def _merges_follow_ranks(ranks: dict[bytes, int], merges: list[tuple[bytes, ...]]) -> bool:
+    """Whether merging by these rules is merging by rank, as tiktoken does: the rules are
+    exactly the splits of tokens into two tokens, ordered by the rank of the merged token."""
+    if any(len(m) != 2 or m[0] + m[1] not in ranks for m in merges):
+        return False
+    made = [ranks[a + b] for a, b in merges]
+    splits = {(t[:i], t[i:]) for t in ranks for i in range(1, len(t)) if t[:i] in ranks and t[i:] in ranks}
+    return made == sorted(made) and set(merges) == splits and len(merges) == len(splits)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes are their own
+    character, the others are spelled from U+0100 upwards, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

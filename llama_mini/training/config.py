@@ -1,0 +1,149 @@
+"""TrainConfig: one field per train.py flag, each with its help text, from which the flags are made.
+
+Each option is described once, as a field with its help (litgpt's way): add_arguments turns
+the fields into argparse flags for train.py and the ablation, so the help text, the default
+and the type cannot drift apart.
+"""
+
+import argparse
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..cli import flag
+from ..device import DTYPES
+from ..model import NORMS, ModelArgs
+from .data import corpus_name
+
+# --dtype's choices: auto, or one of the dtypes, but float16, which needs a gradient scaler
+# that the training step does not have.
+TRAIN_DTYPES = ("auto", *(name for name in DTYPES if name != "float16"))
+# The model's shape. None takes the shape of the checkpoint a run resumes or starts from
+# (--init-from); a run from scratch takes the field's "scratch" default.
+MODEL_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "norm", "norm_p", "tie_embeddings")
+
+
+def option(default, help: str, **extra):
+    """A TrainConfig field with its flag's help text: each flag is described here, once."""
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class TrainConfig:
+    """One field per train.py flag (--max-steps is max_steps). The defaults train a
+    ~2M-parameter model on the built-in stories in minutes on a laptop's CPU."""
+
+    data: Optional[str] = option(None, "a UTF-8 .txt file or a folder of them (default: the built-in stories)")
+    out: Optional[str] = option(None, "run folder for checkpoints and metrics (default: checkpoints/<run-name>)")
+    run_name: Optional[str] = option(None, "name of the run folder under checkpoints/ (default: the data's name)")
+    init_from: Optional[str] = option(None, "fine-tune this checkpoint (any format generate.py reads), with its shape and tokenizer")
+    cache_dir: str = option("tokenizer", "where trained tokenizers and tokenised data are cached")
+    tokenizer: Optional[str] = option(None, "use this tokenizer.model instead of training one on the data")
+    # 2048 makes every name in the built-in stories one token.
+    vocab_size: Optional[int] = option(None, "vocabulary size of the tokenizer trained on the data", scratch=2048)
+    val_fraction: float = option(0.1, "fraction of the tokens held out for validation")
+    dim: Optional[int] = option(None, "model width", scratch=192)
+    n_layers: Optional[int] = option(None, "number of Transformer blocks", scratch=4)
+    n_heads: Optional[int] = option(None, "attention heads", scratch=6)
+    n_kv_heads: Optional[int] = option(
+        None, "key/value heads for grouped-query attention (default: n_heads, or the checkpoint's with --init-from or --resume)")
+    norm: Optional[str] = option(None, "normalisation layer", scratch="rmsnorm", choices=NORMS)
+    norm_p: Optional[float] = option(None, "fraction of each vector partial RMSNorm (prmsnorm) reads", scratch=0.0625)
+    tie_embeddings: Optional[bool] = option(
+        None, "share the token embedding with the output layer, as llama2.c and Llama-3.2 1B do "
+        "(--no-tie-embeddings: Llama-2's own)", scratch=True)
+    max_steps: int = option(600, "optimizer steps to train for")
+    batch_size: int = option(16, "sequences per micro-step per process")
+    seq_len: int = option(256, "tokens per training sequence (the context length)")
+    grad_accum: int = option(1, "micro-steps accumulated into one optimizer step")
+    lr: float = option(4e-3, "peak learning rate")
+    min_lr: Optional[float] = option(None, "learning rate at the end of the cosine (default: lr / 10)")
+    warmup_steps: int = option(50, "steps of linear learning-rate warmup")
+    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    grad_clip: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
+    seed: int = option(1337, "seed for initialisation, data order and the final sample")
+    resume: bool = option(False, "continue the run in --out from its latest checkpoint")
+    save_every: int = option(200, "save a checkpoint every N steps")
+    keep_checkpoints: int = option(2, "how many of the newest checkpoints to keep")
+    eval_every: int = option(100, "evaluate on the validation split every N steps")
+    eval_iters: int = option(10, "batches per evaluation")
+    sample_tokens: int = option(200, "length of the sample printed at the end (0: none)")
+    prompt: str = option("Once upon a time", "start of the sample printed at the end")
+    device: Optional[str] = option(None, "cuda, mps or cpu (default: the first available, in that order)")
+    dtype: str = option("auto", "auto: bfloat16 autocast on CUDA, float32 elsewhere", choices=TRAIN_DTYPES)
+    compile: bool = option(False, "torch.compile the model")
+    fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{flag(f.name)} must be a finite number, got {value}")
+        if not (self.resume or self.init_from):  # a run from scratch: the shape is ours to choose
+            for f in dataclasses.fields(self):
+                if "scratch" in f.metadata and getattr(self, f.name) is None:
+                    setattr(self, f.name, f.metadata["scratch"])
+        positive = ("max_steps", "batch_size", "seq_len", "grad_accum", "dim", "n_layers", "n_heads", "n_kv_heads",
+                    "vocab_size", "save_every", "eval_every", "eval_iters", "keep_checkpoints")
+        for name in positive:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ValueError(f"{flag(name)} must be a positive integer, got {getattr(self, name)}")
+        for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
+            raise ValueError(f"need 0 < --lr and 0 <= --min-lr <= --lr, got lr {self.lr}, min_lr {self.min_lr}")
+        if not 0 < self.val_fraction < 1:
+            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
+        if self.run_name is not None and (Path(self.run_name).name != self.run_name or self.run_name in ("", "..")):
+            raise ValueError(f"--run-name {self.run_name!r} must be a plain folder name under checkpoints/; "
+                             "to write elsewhere, pass --out DIR")
+        if self.dtype not in TRAIN_DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
+        if not (self.resume or self.init_from):
+            self.model_args(vocab_size=self.vocab_size)  # shape errors (dim vs heads, unknown norm) now, not later
+
+    def model_args(self, vocab_size: int) -> ModelArgs:
+        return ModelArgs(
+            dim=self.dim, n_layers=self.n_layers, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+            vocab_size=vocab_size, max_seq_len=self.seq_len, norm=self.norm, norm_p=self.norm_p,
+            tie_embeddings=self.tie_embeddings,
+        )
+
+    def run_dir(self) -> Path:
+        return Path(self.out) if self.out else Path("checkpoints") / (self.run_name or corpus_name(self.data))
+
+
+def add_arguments(parser, names=None, defaults=None) -> None:
+    """A flag on parser for each TrainConfig field (or each one named), with its help text."""
+    hints, defaults = typing.get_type_hints(TrainConfig), defaults or {}
+    for f in dataclasses.fields(TrainConfig):
+        if names is not None and f.name not in names:
+            continue
+        default = defaults.get(f.name, f.default)
+        text = f.metadata["help"] + ("" if default in (None, False) else f" (default: {default})")
+        if "scratch" in f.metadata and default is None:
+            from_checkpoint = ", or the checkpoint's with --init-from or --resume" if names is None else ""
+            text += f" (default: {f.metadata['scratch']}{from_checkpoint})"
+        kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
+        if kind is bool:
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=text)
+        else:
+            parser.add_argument(flag(f.name), type=kind, default=default, choices=f.metadata.get("choices"), help=text)
+
+
+def finetune_config(cfg: TrainConfig, args: ModelArgs) -> TrainConfig:
+    """cfg with the shape of the checkpoint it starts from; a shape flag that disagrees is refused."""
+    theirs = {k: getattr(args, k) for k in MODEL_SHAPE}
+    conflicts = [f"{flag(k)} {getattr(cfg, k)} (it has {theirs[k]})" for k in MODEL_SHAPE if getattr(cfg, k) not in (None, theirs[k])]
+    if conflicts:
+        raise ValueError(f"--init-from {cfg.init_from} fixes the model's shape, but {', '.join(conflicts)}; leave those flags out")
+    if cfg.seq_len > args.max_seq_len:
+        raise ValueError(f"--seq-len {cfg.seq_len} is longer than the context of {cfg.init_from} "
+                         f"({args.max_seq_len} tokens); lower --seq-len")
+    return dataclasses.replace(cfg, **theirs)

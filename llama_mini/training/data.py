@@ -1,0 +1,194 @@
+"""Text in, token windows out.
+
+The pipeline a training run needs, each step cached so that it happens once:
+  1. open_corpus: the user's .txt file or folder (checked: exists, UTF-8, not empty), or
+     the embedded stories; its sha256 is the cache key for everything below;
+  2. load_tokenizer: a BPE tokenizer trained on that text, stored under the cache folder;
+  3. tokenize: every document as BOS + ids + EOS, concatenated into one flat uint16 (uint32 for
+     vocabularies over 65536) file, memory-mapped on later runs;
+  4. TokenSplits: the first (1 - val_fraction) of the tokens train, the rest validate;
+     training reads random windows of seq_len + 1 tokens, evaluation fixed ones.
+"""
+
+import array
+import codecs
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from ..files import atomic_write
+from ..tokenizers import Tokenizer, open_tokenizer
+from ..tokenizers.spm import train_sentencepiece
+from . import corpus as stories
+
+CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about 1 MB, cut at line ends
+READ_BYTES = 1 << 22  # files are checked and hashed 4 MB at a time
+
+
+@dataclass
+class Corpus:
+    name: str  # short label for file names and messages
+    digest: str  # sha256 of the text: caches built from it are keyed on it
+    documents: Callable[[], Iterator[str]]  # one string per file (or per embedded story)
+
+
+def corpus_name(data=None) -> str:
+    return Path(data).resolve().stem if data else "stories"
+
+
+def open_corpus(data=None) -> Corpus:
+    """The text named by --data, validated up front, or the embedded stories when None."""
+    if data is None:
+        texts = stories.stories()
+        digest = hashlib.sha256("\n\n".join(texts).encode()).hexdigest()
+        return Corpus(corpus_name(), digest, lambda: iter(texts))
+    root = Path(data)
+    files = text_files(root)
+    digest = hashlib.sha256()
+    has_text = False
+    for path in files:  # the names are part of the key too: renaming a file reorders the data
+        digest.update(str(path.relative_to(root) if root.is_dir() else path.name).encode() + b"\0")
+        has_text = check_utf8(path, digest) or has_text
+    if not has_text:
+        raise ValueError(f"{data} holds no text (empty or whitespace only); pass a .txt file with some text in it")
+    return Corpus(corpus_name(data), digest.hexdigest(), lambda: (p.read_text(encoding="utf-8") for p in files))
+
+
+def text_files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"data not found: {path}; pass --data a .txt file or a folder of them, "
+            "or leave it out for the built-in stories"
+        )
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+    if not files:
+        raise ValueError(f"no .txt files in {path}; put UTF-8 .txt files there or pass --data FILE.txt")
+    return files
+
+
+def check_utf8(path: Path, digest) -> bool:
+    """Feed path's bytes to digest; fail naming the first byte that is not UTF-8 and its
+    offset. True if the file holds anything besides whitespace."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, has_text = 0, False
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            digest.update(block)
+            carried = len(decoder.getstate()[0])  # the start of a character cut by the previous block
+            try:
+                text = decoder.decode(block)
+            except UnicodeDecodeError as e:
+                raise not_utf8(path, e.object[e.start], offset - carried + e.start) from None
+            has_text = has_text or bool(text.strip())
+            offset += len(block)
+    if pending := decoder.getstate()[0]:  # the file ends inside a character
+        raise not_utf8(path, pending[0], offset - len(pending))
+    return has_text
+
+
+def not_utf8(path, byte: int, offset: int) -> ValueError:
+    return ValueError(
+        f"{path} is not UTF-8 text (invalid byte 0x{byte:02x} at offset {offset}); "
+        "convert it, e.g. iconv -f latin1 -t utf-8, or remove it from --data"
+    )
+
+
+def file_digest(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir) -> Tokenizer:
+    """The BPE tokenizer for this text and vocabulary size, trained on first use."""
+    path = Path(cache_dir) / f"{corpus.name}-{corpus.digest[:12]}-v{vocab_size}.model"
+    if path.is_file():
+        return open_tokenizer(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    print(f"training a {vocab_size}-token BPE tokenizer on {corpus.name} -> {path}")
+    lines = (line for doc in corpus.documents() for line in doc.splitlines() if line.strip())
+    try:
+        return train_sentencepiece(lines, vocab_size, path)
+    except RuntimeError as e:  # SentencePiece says what it needs after its source location, "...] "
+        reason = str(e).split("] ")[-1]
+        raise ValueError(f"cannot train a tokenizer with --vocab-size {vocab_size} on {corpus.name}: {reason}") from None
+
+
+def pieces(text: str) -> Iterator[str]:
+    """text in pieces of about CHUNK_CHARS, cut after a newline, so no encode call holds a
+    whole multi-gigabyte file."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + CHUNK_CHARS) + 1 or len(text)
+        yield text[start:end]
+        start = end
+
+
+def tokenize(corpus: Corpus, tokenizer: Tokenizer, cache_dir) -> Path:
+    """Write (or find) the token file of corpus under tokenizer: each document is BOS + ids + EOS,
+    so a model learns where texts begin and end, and sampling can stop at EOS."""
+    dtype = "uint16" if tokenizer.n_words <= 1 << 16 else "uint32"
+    path = Path(cache_dir) / f"{corpus.name}-{corpus.digest[:12]}-{file_digest(tokenizer.model_path)[:12]}.{dtype}.bin"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            docs = tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1, disable=None)
+            for doc in docs:  # a bar on a terminal only (disable=None), if this takes more than a second
+                ids = [tokenizer.bos_id, *encode_long(tokenizer, doc), tokenizer.eos_id]
+                array.array("H" if dtype == "uint16" else "I", ids).tofile(f)
+
+    atomic_write(path, write)
+    return path
+
+
+def encode_long(tokenizer: Tokenizer, text: str) -> list[int]:
+    """The ids of text, encoded piece by piece; SentencePiece takes the pieces on every core at once."""
+    if hasattr(tokenizer, "sp"):  # Llama-2's family
+        return [i for ids in tokenizer.sp.encode(list(pieces(text)), num_threads=os.cpu_count() or 1) for i in ids]
+    return [i for piece in pieces(text) for i in tokenizer.encode(piece, bos=False)]
+
+
+class TokenSplits:
+    """The token file memory-mapped, split into train and val: nothing is read until used."""
+
+    def __init__(self, path, val_fraction: float):
+        path = Path(path)
+        dtype = getattr(torch, path.suffixes[-2].lstrip("."))
+        n = path.stat().st_size // dtype.itemsize
+        tokens = torch.from_file(str(path), shared=False, size=n, dtype=dtype)
+        n_val = int(n * val_fraction)
+        self.path = path
+        self.splits = {"train": tokens[: n - n_val], "val": tokens[n - n_val :]}
+
+    def check_seq_len(self, seq_len: int, name: str) -> None:
+        """Every split must hold at least one window of seq_len inputs + 1 target."""
+        for split, tokens in self.splits.items():
+            if len(tokens) < seq_len + 1:
+                raise ValueError(
+                    f"--seq-len {seq_len} is longer than the data: the {split} split of {name} has {len(tokens)} "
+                    f"tokens and one window needs {seq_len + 1}; lower --seq-len to at most {max(len(tokens) - 1, 1)} "
+                    "or add text (or change --val-fraction)"
+                )
+
+    def random_starts(self, split: str, n: int, seq_len: int, generator: torch.Generator) -> torch.Tensor:
+        """n window offsets drawn uniformly from split (the training sampler)."""
+        return torch.randint(len(self.splits[split]) - seq_len, (n,), generator=generator)
+
+    def even_starts(self, split: str, n: int, seq_len: int) -> torch.Tensor:
+        """n offsets spread evenly over split: the same every time, so every evaluation of
+        a run scores the same text and its curve is comparable from point to point."""
+        return torch.linspace(0, len(self.splits[split]) - seq_len - 1, n).long()
+
+    def windows(self, split: str, starts: torch.Tensor, seq_len: int):
+        """Inputs x and next-token targets y, both (len(starts), seq_len) int64."""
+        idx = starts[:, None] + torch.arange(seq_len + 1)
+        w = self.splits[split][idx].long()
+        return w[:, :-1], w[:, 1:]

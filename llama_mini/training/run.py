@@ -1,0 +1,92 @@
+"""A training run set up from its TrainConfig: start_run(cfg) -> a Trainer ready to step.
+
+The run folder is checked first and taken last, so a run refused for a flag, a file or its
+data leaves nothing behind. In between: the data and its tokenizer (a resumed run's own,
+--tokenizer, the --init-from checkpoint's, or one trained on the data), the model (from
+scratch, the run's latest checkpoint or --init-from; with the fused RMSNorm where it builds,
+so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun started, and
+its optimizer.
+"""
+
+import torch
+
+from ..device import pick_device
+from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
+from ..kernels import use_fused_rmsnorm
+from ..model import Transformer
+from ..tokenizers import check_vocab_size, open_tokenizer
+from ..trainer import Trainer, configure_optimizer
+from .config import TrainConfig, finetune_config
+from .data import TokenSplits, load_tokenizer, open_corpus, tokenize
+from .distributed import ProcessGroup, load_full_state_dicts, wrap_model
+from .run_folder import RunFolder
+
+
+def start_run(cfg: TrainConfig) -> Trainer:
+    """The Trainer of the run cfg describes: new, resumed (--resume) or fine-tuning (--init-from)."""
+    group = ProcessGroup()
+    device = pick_device(cfg.device, group.local_rank)
+    if cfg.fsdp and group.world_size == 1:
+        raise ValueError("--fsdp shards the model across processes; launch with torchrun --nproc_per_node=K")
+    folder = RunFolder(cfg.run_dir(), cfg.resume)
+    saved = folder.read_state() if cfg.resume else None
+    if saved:
+        cfg = folder.resumed_config(cfg, saved)
+    group.join(device)
+    try:
+        trainer = _build(cfg, saved, folder, group, device)
+        if group.is_main:
+            folder.open(trainer.tokenizer.model_path)
+    except BaseException:
+        group.leave()
+        raise
+    return trainer
+
+
+def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, device) -> Trainer:
+    """Data, tokenizer, model and optimizer; restored from saved, or from --init-from."""
+    corpus = open_corpus(cfg.data)  # checks the data before any work
+    if saved and saved["data_digest"] != corpus.digest:
+        raise ValueError(
+            f"cannot --resume {folder.path}: it was trained on other data than "
+            f"{cfg.data or 'the built-in stories'}; pass the --data it was trained on, or a new --out"
+        )
+    start = folder.latest or cfg.init_from
+    source = load_checkpoint(start, dtype=torch.float32) if start else None
+    if source and not saved:
+        cfg = finetune_config(cfg, source.args)
+    tokenizer, tokens = _data(cfg, corpus, folder, group)
+    args = source.args if source else cfg.model_args(tokenizer.n_words)
+    if source:
+        check_vocab_size(tokenizer, args.vocab_size, start)
+    torch.manual_seed(cfg.seed)  # the same seed on every process: every replica starts the same
+    raw_model = use_fused_rmsnorm(Transformer(args).to(device))
+    model = wrap_model(raw_model, group, device, cfg.fsdp, cfg.compile)
+    optimizer = configure_optimizer(raw_model, cfg, device)
+    trainer = Trainer(cfg, raw_model, model, optimizer, tokens, group, device, folder, tokenizer, corpus)
+    if saved:
+        trainer.load_state_dict({**saved, "model": source.state_dict()})
+    elif source:  # fine-tuning: the weights, and a fresh optimizer
+        load_full_state_dicts(raw_model, None, source.state_dict(), None, cfg.fsdp)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores: free speed
+    return trainer
+
+
+def _data(cfg: TrainConfig, corpus, folder: RunFolder, group: ProcessGroup):
+    """The tokenizer and the token splits. The first process on each machine builds the
+    caches; the others wait, then read them."""
+    if folder.latest:  # a resumed run's own copy
+        path = checkpoint_tokenizer(folder.latest)
+    elif cfg.init_from:
+        path = checkpoint_tokenizer(cfg.init_from, cfg.tokenizer)
+    else:
+        path = cfg.tokenizer  # None: one is trained on the data
+    with group.local_rank_zero_first():
+        tokenizer = open_tokenizer(path) if path else load_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
+        tokens = TokenSplits(tokenize(corpus, tokenizer, cfg.cache_dir), cfg.val_fraction)
+    tokens.check_seq_len(cfg.seq_len, corpus.name)
+    prompt_len = len(tokenizer.encode(cfg.prompt))
+    if cfg.sample_tokens and prompt_len >= cfg.seq_len:  # found out now, not after the training
+        raise ValueError(f"--prompt is {prompt_len} tokens but the context (--seq-len) is {cfg.seq_len}; shorten it")
+    return tokenizer, tokens

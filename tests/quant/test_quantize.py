@@ -1,0 +1,342 @@
+"""Weight-only int8 / int4: error bounds, kernels against the reference path, a trained model's
+quality, and quantized checkpoints that load without their full-precision weights."""
+
+import copy
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini.kernels import matvec, use_matvec
+from llama_mini.quant import layers, quantize
+from llama_mini.quant.layers import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantized_activations
+from llama_mini.quant.layout import deinterleave_rows, interleave_rows, pack_int4, unpack_int4, unpack_int8
+from llama_mini.tokenizers import open_tokenizer
+from llama_mini.training import corpus
+
+import train as train_cli  # the top-level script, called in-process
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+
+def lopsided_weight(out_features, in_features, seed=0):
+    """Rows of very different ranges, groups shifted off zero, a few outliers: what trained layers look like."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * torch.logspace(-2, 0, out_features)[:, None]
+    w += 0.05 * torch.rand(out_features, 1, generator=g)
+    w[0, 5] = 3.0
+    return w
+
+
+# --- Quantizers ------------------------------------------------------------------------------
+
+
+def test_int8_known_answer():
+    codes, scales = quantize_int8(torch.tensor([[1.27, -0.5, 0.0], [0.0, 0.0, 0.0]]))
+    assert scales[0].item() == pytest.approx(0.01)
+    assert codes.tolist() == [[127, -50, 0], [0, 0, 0]]  # an all-zero row stays zero, without dividing by 0
+
+
+def test_int8_error_is_at_most_half_a_step_of_its_row():
+    w = lopsided_weight(64, 96)
+    layer = Int8Linear.from_weight(w)
+    error = (layer.dequantize() - w).abs()
+    assert (error <= layer.scales[:, None] / 2 * (1 + 1e-5)).all()
+    assert layer.weight.abs().amax(1).eq(127).all()  # each row uses its full range
+
+
+def test_int4_known_answer_spans_each_group_from_min_to_max():
+    w = torch.linspace(-1.0, 2.0, 32)[None]  # one group, 16 levels 0.2 apart from -1 to 2
+    codes, scales, zeros = quantize_int4(w, 32)
+    assert scales.item() == pytest.approx(0.2)
+    assert zeros.item() == pytest.approx(0.6)  # the value code 8 stands for: -1 + 8 * 0.2
+    assert codes[0, 0].item() == 0 and codes[0, -1].item() == 15
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_is_at_most_half_a_step_of_its_group(group_size):
+    w = lopsided_weight(32, 256)
+    layer = Int4Linear.from_weight(w, group_size)
+    step = layer.group_scales_and_zeros()[0].repeat_interleave(group_size, dim=1)
+    assert ((layer.dequantize() - w).abs() <= step / 2 * (1 + 1e-5)).all()
+
+
+def test_int4_layout_interleaves_sets_of_eight_rows():
+    """For set p and block b: 128 bytes, four runs c of 32; byte 4j + u of run c holds input
+    8c + u of row 8p + j in its low nibble and input 8c + 4 + u in its high nibble."""
+    codes = torch.randint(0, 16, (16, 96), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_int4(codes)
+    assert packed.shape == (2, 384)
+    for p, b, c, j, u in [(0, 0, 0, 0, 0), (1, 2, 3, 7, 3), (0, 1, 2, 3, 1)]:
+        byte = packed[p, 128 * b + 32 * c + 4 * j + u].item()
+        row = codes[8 * p + j, 32 * b:]
+        assert (byte & 0xF, byte >> 4) == (row[8 * c + u].item(), row[8 * c + 4 + u].item())
+    assert torch.equal(unpack_int4(packed), codes)
+    scales = torch.arange(16 * 3).reshape(16, 3)
+    assert interleave_rows(scales)[1, :8].tolist() == scales[8:, 0].tolist()  # set 1, group 0: rows 8..15
+    assert torch.equal(deinterleave_rows(interleave_rows(scales)), scales)
+
+
+def test_bad_group_size_is_one_clear_line():
+    with pytest.raises(ValueError, match="group size must be one of 32, 64, 128"):
+        Int4Linear.from_weight(torch.randn(16, 96), 48)
+    with pytest.raises(ValueError, match=r"96 is not \(use group size 32\)"):
+        Int4Linear.from_weight(torch.randn(16, 96), 64)
+    with pytest.raises(ValueError, match=r"group size 32; 36 is not \(use int8\)"):
+        Int4Linear.from_weight(torch.randn(16, 36), 32)
+    with pytest.raises(ValueError, match="every output size divisible by 8; 12 is not"):
+        Int4Linear.from_weight(torch.randn(12, 96), 32)
+
+
+# --- Layers: one function at every row count, on the kernels or not ------------------------------
+#
+# Both layers compute F.linear(quantized_activations(x), W) with W dequantized (quant/layers.py):
+# the activations rounded to int8 in blocks of 32, whatever the number of rows. That differs
+# from the float product by far more than the tolerance, so the tests tell the two apart.
+
+
+def needs_kernels():
+    if matvec.operators() is None:
+        pytest.skip("no matrix-vector kernels on this machine (they need x86-64 with AVX2 and FMA)")
+
+
+def layer_pair(layer):
+    """layer, and a copy on the decoding kernels (use_matvec's subclass, the same buffers)."""
+    fast = copy.deepcopy(layer)
+    use_matvec(fast)
+    return layer, fast
+
+
+ROWS = (1, 2, 17, 64)  # a decoding step, a small batch, and prompts past the kernels' row limit
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_computes_its_definition_at_every_row_count(dtype):
+    needs_kernels()
+    w = lopsided_weight(48, 64).to(dtype)
+    plain, fast = layer_pair(Int8Linear.from_weight(w))
+    assert type(fast) is not Int8Linear and isinstance(fast, Int8Linear)
+    dequantized = plain.dequantize().float()
+    for rows in ROWS:
+        x = torch.randn(1, rows, 64).to(dtype)
+        expected = F.linear(quantized_activations(x), dequantized)
+        assert plain(x).dtype == fast(x).dtype == dtype
+        torch.testing.assert_close(plain(x).float(), expected, **tolerance(dtype))
+        torch.testing.assert_close(fast(x).float(), expected, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_linear_computes_its_definition_at_every_row_count(dtype, group_size):
+    needs_kernels()
+    w = lopsided_weight(40, 256).to(dtype)  # five sets of eight rows
+    plain, fast = layer_pair(Int4Linear.from_weight(w, group_size))
+    dequantized = plain.dequantize().float()
+    for rows in ROWS:
+        x = torch.randn(1, rows, 256).to(dtype)
+        expected = F.linear(quantized_activations(x), dequantized)
+        torch.testing.assert_close(plain(x).float(), expected, **tolerance(dtype))
+        torch.testing.assert_close(fast(x).float(), expected, **tolerance(dtype))
+
+
+def test_activations_round_in_blocks_of_32_with_a_shorter_last_block():
+    x = torch.tensor([[127.0, 63.5, -1.0, 0.49] + [0.0] * 28 + [2.0, 1.0, 0.3]])
+    q = quantized_activations(x)
+    assert q.shape == x.shape
+    assert q[0, :4].tolist() == [127.0, 64.0, -1.0, 0.0]  # scale 1: 63.5 ties to even, 0.49 to 0
+    assert q[0, 32:].tolist() == pytest.approx([2.0, 2 * 64 / 127, 2 * 19 / 127])  # the last 3 inputs: a block of their own
+
+
+def test_the_kernels_error_is_the_rounding_of_the_activations():
+    """What rounding activations to int8 costs a layer, against float activations: under 1% of
+    the outputs' spread, the bar the trained model's logits meet below."""
+    needs_kernels()
+    w, x = lopsided_weight(256, 512), torch.randn(4, 512)
+    for layer in (Int8Linear.from_weight(w), Int4Linear.from_weight(w)):
+        exact = F.linear(x, layer.dequantize())
+        error = (layer(x) - exact).abs().amax(-1)
+        assert (error <= 0.01 * (exact.amax(-1) - exact.amin(-1))).all() and (error > 0).all()
+
+
+def tolerance(dtype):
+    return dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+
+
+# --- A trained model ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """train.py's default model (dim 192, 4 layers, 6 heads, tied 2048-token vocabulary), trained
+    briefly on the built-in stories: 150 steps of 8 x 128 tokens, enough to write them fluently."""
+    tmp = tmp_path_factory.mktemp("trained")
+    data = tmp / "stories.txt"
+    data.write_text("\n\n".join(corpus.stories(400_000, seed=3)), encoding="utf-8")
+    argv = ["--data", data, "--out", tmp / "run", "--cache-dir", tmp / "cache", "--device", "cpu", "--max-steps", 150,
+            "--batch-size", 8, "--seq-len", 128, "--warmup-steps", 15, "--eval-every", 1000, "--save-every", 1000,
+            "--sample-tokens", 0]
+    assert train_cli.main([str(a) for a in argv]) == 0
+    held_out = "\n\n".join(corpus.stories(30_000, seed=99))  # stories the model never saw
+    tokenizer = open_tokenizer(tmp / "run" / "tokenizer.model")
+    return tmp / "run", torch.tensor([tokenizer.encode(held_out)])
+
+
+def perplexity(model, tokens, window=matvec.MAX_ROWS):
+    """Held-out perplexity over windows of `window` tokens. Windows of MAX_ROWS run a quantized
+    model's decoding kernels where it is on them (use_matvec), the path generation takes."""
+    losses = [F.cross_entropy(model(chunk[:, :-1])[0], chunk[0, 1:]) for chunk in tokens.split(window + 1, dim=1)
+              if chunk.shape[1] > 1]
+    return math.exp(torch.stack(losses).mean().item())
+
+
+def windowed_logits(model, tokens, window=matvec.MAX_ROWS):
+    return torch.cat([model(chunk) for chunk in tokens.split(window, dim=1)], dim=1)
+
+
+@torch.no_grad()
+def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_is_unchanged(trained):
+    run, tokens = trained
+    model, q = load_checkpoint(run), load_checkpoint(run, quantize="int8")
+    x = tokens[:, :128]
+    for ours, theirs in ((windowed_logits(use_matvec(copy.deepcopy(q)), x), windowed_logits(model, x)),  # decoding kernels
+                         (q(x), model(x))):  # 128 rows, on the layers' own code
+        spread = theirs.amax(-1) - theirs.amin(-1)
+        assert ((ours - theirs).abs().amax(-1) <= 0.01 * spread).all()
+    prompt = x[0, :8].tolist()
+    expected = generate(model, [prompt], 100, temperature=0)
+    assert generate(q, [prompt], 100, temperature=0) == expected
+    assert generate(use_matvec(q), [prompt], 100, temperature=0) == expected  # generate.py's path: a layer per call
+
+
+@torch.no_grad()
+def test_int4_validation_perplexity_within_3_percent_of_fp32(trained):
+    run, tokens = trained
+    model, int4 = load_checkpoint(run), load_checkpoint(run, quantize="int4")
+    on_kernels = use_matvec(copy.deepcopy(int4))
+    for quantized, window in ((on_kernels, matvec.MAX_ROWS), (int4, 128)):  # the decoding kernels; a long prompt
+        fp32 = perplexity(model, tokens, window)
+        assert fp32 < 60  # the model learned the stories (a uniform guess is 2048)
+        assert abs(perplexity(quantized, tokens, window) / fp32 - 1) <= 0.03, (window, fp32, perplexity(quantized, tokens, window))
+
+
+def test_every_linear_is_quantized_the_head_to_int8_and_the_embedding_kept(trained):
+    model = load_checkpoint(trained[0], quantize="int4")
+    assert isinstance(model.output, Int8Linear)
+    assert model.tok_embeddings.weight.dtype == torch.float32
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears == [] and sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * model.args.n_layers
+
+
+def test_generate_cli_quantizes_at_load_and_decodes_what_the_quantized_model_does(trained):
+    run, _ = trained
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(run), "--quantize", "int4", "--prompt",
+                             "Once upon a time", "--max-new-tokens", "30", "--temperature", "0"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    tokenizer = open_tokenizer(run / "tokenizer.model")
+    prompt = tokenizer.encode("Once upon a time")
+    new = generate(load_checkpoint(run, quantize="int4"), [prompt], 30, temperature=0, eos_id=tokenizer.eos_id)[0]
+    assert result.stdout == tokenizer.decode(prompt + new) + "\n"
+    # 2.16M trained, plus the head's own 2048 x 192 int8 copy of the tied embedding
+    assert "2.6M parameters, torch.float32 with int4 weights" in result.stderr
+
+
+# --- Quantized checkpoints ------------------------------------------------------------------
+
+
+def convert(*args):
+    return subprocess.run([sys.executable, "-m", "llama_mini.formats.convert", *map(str, args)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_convert_then_load_equals_quantize_at_load_bit_for_bit(trained, tmp_path, method):
+    run, tokens = trained
+    result = convert(run, tmp_path / "q", "--to", "native", "--quantize", method)
+    assert result.returncode == 0, result.stderr
+    saved, at_load = load_checkpoint(tmp_path / "q"), load_checkpoint(run, quantize=method)
+    assert saved.state_dict().keys() == at_load.state_dict().keys()
+    for name, tensor in at_load.state_dict().items():
+        assert torch.equal(saved.state_dict()[name], tensor), name
+    with torch.no_grad():
+        assert torch.equal(saved(tokens[:, :64]), at_load(tokens[:, :64]))
+    assert (tmp_path / "q" / "tokenizer.model").is_file()
+
+
+def test_a_quantized_checkpoint_loads_without_building_full_precision_layers(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
+    save_checkpoint(quantize(model, "int4"), tmp_path)
+    for name in ("quantize_int8", "quantize_int4"):  # loading must read the stored codes, not quantize
+        monkeypatch.setattr(layers, name, lambda *a, **k: pytest.fail("quantized at load"))
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.quantization == {"method": "int4", "group_size": 32, "layout": "rows-of-8"}
+    assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
+    x = torch.tensor([[1, 2, 3]])
+    assert torch.equal(loaded(x), model(x))
+
+
+def test_a_quantized_checkpoint_refuses_other_formats_and_another_quantization(tmp_path):
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
+    quantize(model, "int8")
+    with pytest.raises(ValueError, match="native format only"):
+        save_checkpoint(model, tmp_path / "hf", format="hf")
+    save_checkpoint(model, tmp_path / "q")
+    with pytest.raises(ValueError, match="already quantized to int8"):
+        load_checkpoint(tmp_path / "q", quantize="int4")
+    assert isinstance(load_checkpoint(tmp_path / "q", quantize="int8").output, Int8Linear)
+
+
+def test_an_int4_checkpoint_in_an_older_layout_is_refused_in_one_line(tmp_path):
+    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
+    save_checkpoint(quantize(model, "int4"), tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["quantization"]["layout"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="holds int4 codes in an older layout; convert the checkpoint again"):
+        load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])  # int4 checkpoints hold an int8 head
+def test_int8_rows_saved_plain_load_in_the_kernels_layout(tmp_path, method):
+    """Checkpoints written before int8 rows came in sets of eight hold them as (out, in): they
+    load, in the kernels' layout, with the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    model = quantize(Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32)), method)
+    save_checkpoint(model, tmp_path)
+    weights = next(tmp_path.glob("*.safetensors"))
+    state = load_file(weights)
+    plain = {name: unpack_int8(t) if t.dtype == torch.int8 else t for name, t in state.items()}
+    assert plain["output.weight"].shape == (128, 64)
+    save_file(plain, weights, metadata={"format": "pt"})
+    loaded = load_checkpoint(tmp_path)
+    assert loaded.output.weight.shape == (16, 512) and torch.equal(loaded.output.weight, state["output.weight"])
+    x = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+
+
+def test_int8_keeps_plain_rows_for_shapes_the_kernel_does_not_take():
+    w = torch.randn(12, 40)  # 12 rows: not sets of eight; 40 inputs: not blocks of 32
+    layer = Int8Linear.from_weight(w)
+    assert not layer.rows_of_8 and layer.weight.shape == (12, 40) and matvec.kernel_operands(layer) is None
+    x = torch.randn(1, 40)
+    expected = F.linear(quantized_activations(x), layer.dequantize())
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(use_matvec(copy.deepcopy(layer))(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_unknown_quantization_is_refused():
+    with pytest.raises(ValueError, match="unknown quantization 'int3'; choose one of int8, int4"):
+        quantize(Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128)), "int3")

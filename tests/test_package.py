@@ -1,0 +1,106 @@
+"""The package's shape: a core that stands alone, layers that reach it from outside, no cycles."""
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "llama_mini"
+CORE = ("model.py", "generation.py", "trainer.py")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set:
+    """The llama_mini modules path imports, at the top or inside a function (absolute names)."""
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package
+            for _ in range(node.level - 1):
+                base = base.rpartition(".")[0]
+            stem = f"{base}.{node.module}" if node.level and node.module else base if node.level else node.module
+            names.add(stem)
+            names |= {f"{stem}.{alias.name}" for alias in node.names}  # from . import corpus: a module
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    return {n for n in names if n in modules and n != module_name(path)}
+
+
+def test_model_py_imports_torch_and_the_standard_library_only():
+    tree = ast.parse((PACKAGE / "model.py").read_text())
+    roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree)), "model.py imports llama_mini"
+    assert roots - set(sys.stdlib_module_names) == {"torch"}
+
+
+def test_no_module_of_the_package_imports_another_in_a_cycle():
+    graph = {module_name(p): imported_modules(p) for p in PACKAGE.rglob("*.py")}
+    # A package's __init__ runs before its modules, so importing llama_mini.x.y imports llama_mini.x too.
+    for name in graph:
+        graph[name] = {m for m in graph[name] if not name.startswith(m + ".")}
+    state = {}
+
+    def visit(name, path):
+        state[name] = "open"
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != "open", f"import cycle: {' -> '.join(path + [dep])}"
+            if dep not in state:
+                visit(dep, path + [dep])
+        state[name] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+
+
+def test_the_core_imports_no_kernel_format_or_quantization():
+    for name in CORE:
+        layers = {m for m in imported_modules(PACKAGE / name) if m.split(".")[1] in ("kernels", "formats", "quant")}
+        assert not layers, f"{name} imports {sorted(layers)}"
+
+
+def test_a_model_is_built_and_trained_with_model_py_alone_loading_and_compiling_nothing(tmp_path):
+    """With an empty kernel cache and a compiler that fails: import llama_mini.model, build a
+    Transformer (on the meta device too, as loaders do), forward and backward. Only model.py is
+    loaded, no tokenizer or file-format library is imported, nothing is compiled or loaded."""
+    code = (
+        "import subprocess, sys, torch\n"
+        "subprocess.Popen = None  # a compiler would be started through it\n"
+        "from llama_mini.model import ModelArgs, Transformer\n"
+        "with torch.device('meta'):\n"
+        "    Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64))\n"
+        "model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=4, vocab_size=64, max_seq_len=16))\n"
+        "model(torch.randint(0, 64, (2, 16))).sum().backward()\n"
+        "model.setup_cache(1, 8)\n"
+        "with torch.no_grad(): model(torch.tensor([[1, 2]]), 0); model(torch.tensor([[3]]), 2)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('llama_mini')))\n"
+        "print(sorted(m for m in ('safetensors', 'sentencepiece', 'tiktoken', 'gguf', 'torch.utils.cpp_extension') if m in sys.modules))\n"
+        "print(sorted(torch.ops.loaded_libraries))\n"
+    )
+    env = {**os.environ, "LLAMA_MINI_CACHE": str(tmp_path / "cache"), "CXX": "/bin/false", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["['llama_mini', 'llama_mini.model']", "[]", "[]"]
+    assert result.stderr == "" and not (tmp_path / "cache").exists()
+
+
+def test_import_llama_mini_is_cheap_and_its_names_load_on_first_use():
+    code = (
+        "import sys, llama_mini\n"
+        "print(sorted(m for m in sys.modules if m.startswith('llama_mini')))\n"
+        "print(llama_mini.load_checkpoint.__module__, llama_mini.quantize.__module__, llama_mini.open_tokenizer.__module__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "['llama_mini']", "llama_mini.formats.checkpoint llama_mini.quant llama_mini.tokenizers",
+    ]

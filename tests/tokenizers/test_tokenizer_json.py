@@ -1,0 +1,81 @@
+"""Llama-3's tokenizer read from Hugging Face's tokenizer.json, checked against Meta's tokenizer.model.
+
+The tokenizer.json is made here the way transformers made the Hub's Llama-3 files, by
+transformers' TikTokenConverter from Meta's ranks (the fixture). Read back, it must give
+exactly Meta's ranks and special tokens, hence Meta's ids; a file made any other way is
+refused in one line.
+"""
+
+import json
+
+import pytest
+from generate_cli_helpers import LLAMA3_TOKENIZER, write_llama3_tokenizer_json
+
+from llama_mini.tokenizers import open_tokenizer
+from llama_mini.tokenizers.tokenizer_json import HfTokenizerJson
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """(Meta's tokenizer.model, the tokenizer.json transformers makes of it, that JSON parsed)."""
+    path = write_llama3_tokenizer_json(tmp_path_factory.mktemp("hf") / "tokenizer.json")
+    return LLAMA3_TOKENIZER, path, json.loads(path.read_text())
+
+
+def edited(files, tmp_path, edit):
+    config = json.loads(json.dumps(files[2]))
+    edit(config)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    return tmp_path / "tokenizer.json"
+
+
+def test_tokenizer_json_gives_metas_ranks_and_special_tokens(files):
+    meta, hf = open_tokenizer(files[0]), open_tokenizer(files[1])
+    assert isinstance(hf, HfTokenizerJson)
+    assert hf.model._mergeable_ranks == meta.model._mergeable_ranks
+    assert hf.special_tokens == meta.special_tokens
+    assert (hf.n_words, hf.bos_id, hf.eos_id, hf.pad_id, hf.stop_ids) == (128256, 128000, 128001, 128004, [128001, 128008, 128009])
+
+
+def test_tokenizer_json_encodes_metas_known_answers(files):
+    hf = open_tokenizer(files[1])
+    assert hf.encode("This is a test sentence.", bos=True, eos=True) == [128000, 2028, 374, 264, 1296, 11914, 13, 128001]
+    dialog = [{"role": "system", "content": "This is a test sentence."}, {"role": "user", "content": "This is a response."}]
+    assert hf.encode_dialog(dialog) == open_tokenizer(files[0]).encode_dialog(dialog)
+
+
+def test_a_llama30_tokenizer_json_has_no_eom_stop_id(files, tmp_path):
+    def rename_eom(config):
+        for token in config["added_tokens"]:
+            if token["content"] == "<|eom_id|>":
+                token["content"] = "<|reserved_special_token_4|>"
+
+    assert open_tokenizer(edited(files, tmp_path, rename_eom)).stop_ids == [128001, 128009]
+
+
+def swap_merges_of_different_tokens(config):
+    merges = config["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]
+
+
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda c: c["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\s+"), "Meta's pre-tokenizer"),
+        (swap_merges_of_different_tokens, "merge rules"),
+        (lambda c: c["model"]["merges"].pop(5), "merge rules"),
+        (lambda c: c.update(added_tokens=[]), "special tokens"),
+        (lambda c: c.pop("model"), "layout"),
+    ],
+    ids=["another pattern", "merges reordered", "a merge missing", "no special tokens", "no model"],
+)
+def test_a_tokenizer_json_made_another_way_is_refused_in_one_line(files, tmp_path, edit, why):
+    with pytest.raises(ValueError, match=f"tokenizer.json is not a Llama-3 tokenizer.json .*{why}.*original/"):
+        open_tokenizer(edited(files, tmp_path, edit))
+
+
+def test_a_llama2_style_tokenizer_json_is_refused(tmp_path):
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {}, "merges": []},
+                                                         "pre_tokenizer": None, "normalizer": {"type": "Sequence"}}))
+    with pytest.raises(ValueError, match="not the layout transformers writes for Llama-3"):
+        open_tokenizer(tmp_path / "tokenizer.json")

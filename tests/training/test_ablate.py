@@ -1,0 +1,180 @@
+"""The normalisation ablation: the --norm flag end to end, fair comparisons, the report."""
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
+from llama_mini.training import corpus
+from llama_mini.training.ablate import Run, main, summarize, table, time_to_reach
+from llama_mini.trainer import NonFiniteLoss, Trainer
+from llama_mini.training.run import start_run
+from llama_mini.training.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+import train as train_cli  # noqa: E402  (the top-level script, called in-process)
+
+TINY = dict(dim=32, n_layers=1, n_heads=2, vocab_size=400, seq_len=32, batch_size=4, eval_iters=2)
+
+
+def flags(**kw) -> list:
+    return [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """A small text file and a cache folder, so tokenizers train in a moment."""
+    root = tmp_path_factory.mktemp("ablate")
+    path = root / "tiny.txt"
+    path.write_text("\n\n".join(corpus.stories(40_000, seed=3)), encoding="utf-8")
+    return {"data": str(path), "cache_dir": str(root / "cache")}
+
+
+# --- The flag reaches the model and the checkpoint --------------------------------------------
+
+
+@pytest.mark.parametrize("norm, layer_type", [("rmsnorm", RMSNorm), ("prmsnorm", RMSNorm), ("layernorm", nn.LayerNorm), ("none", nn.Identity)])
+def test_checkpoint_rebuilds_the_norm_it_was_saved_with(tmp_path, norm, layer_type):
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=40, norm=norm, norm_p=0.25))
+    for p in model.parameters():  # non-trivial norm weights and biases, so loading them matters
+        p.data.add_(0.1 * torch.randn_like(p))
+    loaded = load_checkpoint(save_checkpoint(model, tmp_path / "ckpt"))
+    assert all(isinstance(m, layer_type) for m in (loaded.norm, loaded.layers[0].ffn_norm))  # an RMSNorm may be the fused one
+    if norm == "prmsnorm":
+        assert loaded.norm.n_rms == 8  # ceil(32 * 0.25)
+    tokens = torch.randint(0, 40, (2, 7))
+    torch.testing.assert_close(loaded(tokens), model.eval()(tokens))
+
+
+def test_train_py_norm_flags_reach_the_model_and_its_checkpoint(tmp_path, data):
+    run = tmp_path / "run"
+    args = flags(**TINY, **data, norm="prmsnorm", norm_p=0.25, max_steps=2, out=run, device="cpu", sample_tokens=0)
+    assert train_cli.main(args) == 0
+    checkpoint = run / (run / "latest").read_text().strip()
+    config = json.loads((checkpoint / "config.json").read_text())["llama_mini"]
+    assert (config["norm"], config["norm_p"]) == ("prmsnorm", 0.25)
+    model = load_checkpoint(run)
+    assert isinstance(model.norm, RMSNorm) and model.norm.n_rms == 8
+
+
+# --- Fairness: only the norm differs ------------------------------------------------------------
+
+
+def test_variants_start_from_the_same_matrices_and_see_the_same_batches(tmp_path, data):
+    trainers = [start_run(TrainConfig(**TINY, **data, norm=n, out=str(tmp_path / n), device="cpu")) for n in ("rmsnorm", "layernorm")]
+    states = [t.model.state_dict() for t in trainers]
+    matrices = [k for k, v in states[0].items() if v.dim() >= 2]
+    assert matrices and all(torch.equal(states[0][k], states[1][k]) for k in matrices)
+    for _ in range(3):
+        x0, y0 = trainers[0].batch()
+        x1, y1 = trainers[1].batch()
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def test_runs_step_in_a_fresh_order_each_round_which_changes_no_number(tmp_path, data, monkeypatch):
+    """A fixed order would give each position its own cache state, hence its own speed."""
+    order, real_step = [], Trainer.train_step
+
+    def recording_step(self):
+        order.append(self.cfg.norm)
+        return real_step(self)
+
+    def train_losses(out, norm):
+        with open(out / "metrics.csv") as f:
+            return [r["train_loss"] for r in csv.DictReader(f) if r["norm"] == norm and r["train_loss"]]
+
+    common = dict(**TINY, **data, seeds=1, max_steps=6, warmup_steps=1, eval_every=3, device="cpu")
+    monkeypatch.setattr(Trainer, "train_step", recording_step)
+    assert main(flags(**common, norms="rmsnorm,layernorm,none", out=tmp_path / "three")) == 0
+    rounds = [tuple(order[i : i + 3]) for i in range(0, 18, 3)]
+    assert all(sorted(r) == ["layernorm", "none", "rmsnorm"] for r in rounds)  # each run once per round
+    assert len(set(rounds)) > 1 and len({r[0] for r in rounds}) > 1  # in changing orders
+    assert main(flags(**common, norms="layernorm", out=tmp_path / "alone")) == 0
+    assert train_losses(tmp_path / "three", "layernorm") == train_losses(tmp_path / "alone", "layernorm")
+
+
+# --- The report ---------------------------------------------------------------------------------
+
+
+class FakeTrainer:
+    """Stands in for Trainer where only the bookkeeping is under test."""
+
+    n_params = 1000
+
+    def __init__(self, losses=(), diverge_at=None):
+        self.losses, self.diverge_at, self.step = list(losses), diverge_at, 0
+
+    def train_step(self):
+        if self.step + 1 == self.diverge_at:
+            raise NonFiniteLoss("loss is nan")
+        self.step += 1
+        return self.losses[self.step - 1]
+
+
+def run_with_evals(norm, seed, evals):
+    """A Run whose evaluations were (step, seconds, val_loss)."""
+    run = Run(norm, seed, FakeTrainer())
+    run.steps = [{"step": s, "time": t, "val_loss": v} for s, t, v in evals]
+    run.seconds = evals[-1][1]
+    return run
+
+
+def test_time_to_reach_interpolates_between_evaluations():
+    run = run_with_evals("rmsnorm", 0, [(0, 0.0, 7.0), (10, 4.0, 5.0), (20, 8.0, 3.0)])
+    assert time_to_reach(run, 4.0) == pytest.approx(6.0)  # halfway from 5.0 at 4 s to 3.0 at 8 s
+    assert time_to_reach(run, 5.0) == pytest.approx(4.0)
+    assert time_to_reach(run, 2.0) is None
+
+
+def test_summary_is_mean_and_sd_over_seeds_with_layernorm_plus_2_percent_as_target():
+    runs = [
+        run_with_evals("rmsnorm", 0, [(0, 0.0, 7.0), (10, 2.0, 2.0)]),
+        run_with_evals("rmsnorm", 1, [(0, 0.0, 7.0), (10, 2.0, 2.2)]),
+        run_with_evals("layernorm", 0, [(0, 0.0, 7.0), (10, 4.0, 2.5)]),
+        run_with_evals("layernorm", 1, [(0, 0.0, 7.0), (10, 4.0, 2.5)]),
+    ]
+    rms, ln = summarize(runs, ["rmsnorm", "layernorm"], tokens_per_step=100)
+    assert rms["val_loss"] == pytest.approx(2.1) and rms["val_loss_sd"] == pytest.approx(math.sqrt(0.02))
+    assert rms["target_loss"] == pytest.approx(2.55)
+    assert rms["steps_per_s"] == pytest.approx(20 / 4.0) and rms["tokens_per_s"] == pytest.approx(2000 / 4.0)
+    assert ln["time_to_target"] == pytest.approx(4.0 * (7.0 - 2.55) / (7.0 - 2.5))
+    assert "| rmsnorm | 2.1000 ± 0.1414 |" in table([rms, ln])
+
+
+def test_diverged_run_stops_and_is_reported():
+    run = Run("none", 0, FakeTrainer(losses=[5.0, 4.0, 9.0], diverge_at=3))
+    run.steps = [{"step": 0, "time": 0.0, "val_loss": 7.0}]
+    for _ in range(3):
+        run.step()
+    assert run.diverged_at == 3 and [r["step"] for r in run.steps] == [0, 1, 2]
+    (row,) = summarize([run], ["none"], tokens_per_step=10, target_loss=1.0)
+    assert "| none | diverged (1/1 diverged, at step 3) |" in table([row])
+
+
+def test_cli_writes_report_metrics_and_plots(tmp_path, data):
+    out = tmp_path / "ablation"
+    args = flags(**TINY, **data, norms="rmsnorm,layernorm", seeds=2, max_steps=4, warmup_steps=1, eval_every=2, out=out, device="cpu")
+    assert main(args) == 0
+    report = (out / "report.md").read_text()
+    assert "| rmsnorm |" in report and "| layernorm |" in report and "±" in report
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 2 * 2 * (4 + 1)  # norms x seeds x (steps + the evaluation at step 0)
+    assert sum(1 for r in rows if r["val_loss"]) == 2 * 2 * 3  # steps 0, 2 and 4
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "val_loss_vs_step.png").stat().st_size > 0 and (out / "val_loss_vs_time.png").stat().st_size > 0
+
+
+def test_unknown_norm_is_a_one_line_error(capsys):
+    assert main(["--norms", "rmsnorm,batchnorm"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: unknown norm 'batchnorm' in --norms; choose from") and err.count("\n") == 1

@@ -1,0 +1,336 @@
+"""Training: the optimizer recipe, train.py end to end, checkpoints, exact resume, bad input."""
+
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import llama_mini
+from llama_mini.training import corpus
+from llama_mini.training.run_folder import read_metrics
+from llama_mini.trainer import configure_optimizer, flops_per_token, lr_at
+from llama_mini.training.run import start_run
+from llama_mini.training.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[2]
+import train as train_cli  # noqa: E402  (the top-level script, imported to call main() in-process)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+TINY = dict(dim=32, n_layers=2, n_heads=2, vocab_size=400, seq_len=32, batch_size=4, eval_iters=2, sample_tokens=20)
+
+
+def flags(**kw) -> list[str]:
+    out = []
+    for k, v in kw.items():
+        out += [f"--{k.replace('_', '-')}"] if v is True else [f"--{k.replace('_', '-')}", str(v)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "tiny.txt"
+    path.write_text("\n\n".join(corpus.stories(60_000, seed=7)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+class Cli:
+    """train.py in a subprocess, its output in files (a full pipe would stall it)."""
+
+    def __init__(self, args, logs: Path):
+        logs.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = logs / "stdout", logs / "stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            # One thread: a tiny model gains nothing from two, and a loaded machine stalls them.
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, str(ROOT / "train.py"), *map(str, args)]
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, env=env)
+
+    def wait_for(self, path: Path) -> None:
+        """Block until path exists, failing if the process ends first."""
+        while not path.exists():
+            assert self.proc.poll() is None, self.err.read_text()
+            time.sleep(0.005)
+
+    def finish(self, timeout=120):
+        self.proc.wait(timeout=timeout)
+        return self.proc.returncode, self.out.read_text(), self.err.read_text()
+
+
+def final_weights(run: Path) -> dict:
+    return load_file(run / (run / "latest").read_text().strip() / "model.safetensors")
+
+
+# --- The recipe ---------------------------------------------------------------------------------
+
+
+def test_lr_warms_up_linearly_then_follows_a_cosine_to_a_tenth():
+    cfg = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110)
+    assert lr_at(0, cfg) == pytest.approx(1e-4)
+    assert lr_at(4, cfg) == pytest.approx(5e-4)
+    assert lr_at(9, cfg) == pytest.approx(1e-3)
+    assert lr_at(10, cfg) == pytest.approx(1e-3)
+    assert lr_at(60, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway down the cosine
+    assert lr_at(110, cfg) == pytest.approx(1e-4)
+
+
+def test_weight_decay_applies_to_matrices_only():
+    model = llama_mini.Transformer(llama_mini.ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=50))
+    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    decayed, plain = opt.param_groups
+    assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
+    assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    assert len(plain["params"]) == 2 * 2 + 1  # two norms per block and the final one
+
+
+def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
+    args = llama_mini.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, multiple_of=32)
+    model = llama_mini.Transformer(args)
+    matmul_weights = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 2 and "tok_embeddings" not in name)
+    assert flops_per_token(args, seq_len=128) == 6 * matmul_weights + 12 * 2 * 64 * 128
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_steps", 0), ("batch_size", -1), ("seq_len", 0), ("grad_accum", 0), ("eval_every", 0)]
+)
+def test_config_refuses_non_positive_sizes_naming_the_flag(field, value):
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be a positive integer, got {value}"):
+        TrainConfig(**{field: value})
+
+
+def test_gradient_accumulation_equals_one_big_batch(text_file, cache_dir, tmp_path):
+    def one_step(batch_size, grad_accum, out):
+        cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / out), device="cpu",
+                          max_steps=3, **{**TINY, "batch_size": batch_size}, grad_accum=grad_accum)
+        trainer = start_run(cfg)
+        loss = trainer.train_step()
+        return loss, trainer.model.state_dict()
+
+    big_loss, big = one_step(4, 1, "big")
+    acc_loss, acc = one_step(2, 2, "acc")
+    assert acc_loss == pytest.approx(big_loss, rel=1e-5)
+    for name in big:
+        torch.testing.assert_close(acc[name], big[name], rtol=1e-4, atol=1e-6)
+
+
+def test_trainer_learns_and_samples(text_file, cache_dir, tmp_path):
+    cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
+                      max_steps=60, lr=3e-3, warmup_steps=5, **TINY)
+    trainer = start_run(cfg)
+    before = trainer.evaluate()
+    assert before["val_loss"] == pytest.approx(math.log(400), rel=0.05)  # near-uniform guess at init
+    assert before["val_ppl"] == pytest.approx(math.exp(before["val_loss"]))
+    for _ in range(60):
+        trainer.train_step()
+    after = trainer.evaluate()
+    assert after["val_loss"] < before["val_loss"] - 1.0
+    text = trainer.sample("Once upon a time", 10)
+    assert text.startswith("Once upon a time") and len(text) > len("Once upon a time")
+
+
+def test_non_finite_loss_stops_naming_the_step_without_touching_the_weights(text_file, cache_dir, tmp_path):
+    cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
+                      max_steps=5, **TINY)
+    trainer = start_run(cfg)
+    trainer.train_step()
+    with torch.no_grad():
+        trainer.model.layers[0].feed_forward.w1.weight[0, 0] = float("inf")
+    snapshot = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"loss is (nan|inf) at step 2; stopped before updating the weights"):
+        trainer.train_step()
+    assert all(torch.equal(v, snapshot[k]) for k, v in trainer.model.state_dict().items())
+
+
+# --- train.py end to end -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference_run(text_file, cache_dir, tmp_path_factory):
+    """One uninterrupted run; the interrupted ones below must end with exactly its weights."""
+    base = dict(data=text_file, cache_dir=cache_dir, device="cpu", max_steps=80, save_every=8, eval_every=40, **TINY)
+    tmp = tmp_path_factory.mktemp("ref")
+    rc, stdout, stderr = Cli([*flags(**base), "--out", tmp / "run"], tmp / "logs").finish()
+    assert rc == 0, stderr
+    return dict(base=base, args=flags(**base), out=tmp / "run", stdout=stdout)
+
+
+def test_run_folder_holds_checkpoints_metrics_and_latest(reference_run):
+    out = reference_run["out"]
+    assert (out / "latest").read_text().strip() == "step-000080"
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000072", "step-000080"]  # the newest two
+    files = {p.name for p in (out / "step-000080").iterdir()}
+    assert files == {"model.safetensors", "config.json", "tokenizer.model", "train_state.pt"}
+    state = torch.load(out / "step-000080" / "train_state.pt", weights_only=True)
+    assert state["step"] == 80 and {"optimizer", "data_rng", "torch_rng", "python_rng"} <= state.keys()
+    assert (out / "tokenizer.model").is_file() and (out / "metrics.jsonl").is_file()
+    assert not list(out.glob(".tmp*"))
+
+
+def test_metrics_log_has_a_record_per_step_and_evaluations(reference_run):
+    records = read_metrics(reference_run["out"] / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(81))
+    assert {"step", "time", "train_loss", "lr", "tokens_per_s"} <= records[1].keys()
+    evals = [r["step"] for r in records if "val_loss" in r]
+    assert evals == [0, 40, 80]
+    assert records[80]["val_ppl"] == pytest.approx(math.exp(records[80]["val_loss"]))
+    assert records[80]["val_loss"] < records[0]["val_loss"]
+
+
+def test_run_ends_with_a_sample_from_the_saved_model(reference_run):
+    assert "sample from" in reference_run["stdout"] and "\nOnce upon a time" in reference_run["stdout"]
+
+
+def test_load_checkpoint_returns_the_trained_model(reference_run):
+    model = llama_mini.load_checkpoint(reference_run["out"])
+    assert isinstance(model, llama_mini.Transformer)
+    assert model.args.dim == 32 and model.args.norm == "rmsnorm" and model.args.vocab_size == 400
+    weights = final_weights(reference_run["out"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
+
+
+@pytest.mark.parametrize("attempt", range(3))  # three random kill times per run of the suite
+def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(reference_run, tmp_path, attempt):
+    args = [*reference_run["args"], "--out", tmp_path / "run"]
+    cli = Cli(args, tmp_path / "killed")
+    cli.wait_for(tmp_path / "run" / "latest")  # the first checkpoint (step 8) is written; from here on anything
+    target = random.randint(9, 75)  # goes: a training step, an evaluation, a checkpoint write
+    while (tmp_path / "run" / "metrics.jsonl").read_text().count("\n") <= target:  # a line per step, from 0
+        assert cli.proc.poll() is None, cli.err.read_text()
+        time.sleep(0.002)
+    time.sleep(random.uniform(0, 0.02))
+    assert cli.proc.poll() is None, "the run ended before the kill"
+    cli.proc.send_signal(signal.SIGKILL)
+    cli.proc.wait()
+    killed_at = (tmp_path / "run" / "latest").read_text().strip()
+    rc, _, stderr = Cli([*args, "--resume"], tmp_path / "resumed").finish()
+    assert rc == 0, stderr
+    ref, ours = final_weights(reference_run["out"]), final_weights(tmp_path / "run")
+    assert all(torch.equal(ref[k], ours[k]) for k in ref), f"weights differ after a kill near step {target} ({killed_at})"
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(81))  # one history: records after the crash were dropped
+
+
+def test_ctrl_c_saves_exits_cleanly_and_resume_matches(reference_run, tmp_path):
+    args = [*reference_run["args"], "--out", tmp_path / "run"]
+    cli = Cli(args, tmp_path / "interrupted")
+    cli.wait_for(tmp_path / "run" / "latest")
+    cli.proc.send_signal(signal.SIGINT)
+    rc, stdout, stderr = cli.finish()
+    assert rc == 130 and "Traceback" not in stderr, stderr
+    step = int((tmp_path / "run" / "latest").read_text().strip().split("-")[1])
+    assert 8 <= step < 80
+    assert f"interrupted at step {step}" in stdout
+    rc, _, stderr = Cli([*args, "--resume"], tmp_path / "resumed").finish()
+    assert rc == 0, stderr
+    ref, ours = final_weights(reference_run["out"]), final_weights(tmp_path / "run")
+    assert all(torch.equal(ref[k], ours[k]) for k in ref)
+
+
+def test_non_finite_loss_exits_with_one_line_and_keeps_the_last_checkpoint(text_file, cache_dir, tmp_path):
+    # No normalisation and a learning rate far too high: activations overflow after a few steps.
+    args = flags(data=text_file, cache_dir=cache_dir, out=tmp_path / "run", device="cpu", norm="none", lr=0.3,
+                 warmup_steps=10, max_steps=100, save_every=2, **TINY)
+    rc, _, stderr = Cli(args, tmp_path / "logs").finish()
+    assert rc == 2 and "Traceback" not in stderr
+    line = stderr.strip().splitlines()[-1]
+    found = re.match(r"error: (loss|gradient norm) is (nan|inf|-inf) at step (\d+); stopped before updating the weights, "
+                     r"and the last good checkpoint is (\S+)\. Lower --lr", line)
+    assert found, line
+    step, checkpoint = int(found[3]), Path(found[4])
+    assert checkpoint.name == f"step-{2 * ((step - 1) // 2):06d}"  # the last save before the bad step ...
+    assert (tmp_path / "run" / "latest").read_text().strip() == checkpoint.name  # ... is still the latest
+    assert llama_mini.load_checkpoint(tmp_path / "run") is not None
+
+
+# --- Bad input: one line naming the fix, no traceback -------------------------------------------
+
+
+def cli_error(capsys, *args) -> str:
+    """Run train.py's main() in-process; its stderr must end in one error line, no traceback."""
+    assert train_cli.main([*args]) == 2
+    err = capsys.readouterr().err
+    last = err.splitlines()[-1]  # progress bars may come before it
+    assert last.startswith("error: ") and err.count("error") == 1 and "Traceback" not in err, err
+    return last
+
+
+def test_missing_data_is_one_line_without_traceback_from_the_real_cli(tmp_path):
+    rc, _, stderr = Cli(["--data", tmp_path / "missing.txt", "--out", tmp_path / "run"], tmp_path / "logs").finish()
+    assert rc == 2
+    assert stderr.startswith("error: data not found:") and stderr.count("\n") == 1
+
+
+def test_empty_data_is_refused(capsys, tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    assert "holds no text" in cli_error(capsys, "--data", str(tmp_path / "empty.txt"), "--out", str(tmp_path / "run"))
+
+
+def test_non_utf8_data_is_refused(capsys, tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"caf\xe9")
+    assert "is not UTF-8 text" in cli_error(capsys, "--data", str(tmp_path / "bad.txt"), "--out", str(tmp_path / "run"))
+
+
+def test_seq_len_longer_than_the_data_is_refused(capsys, tmp_path, cache_dir):
+    (tmp_path / "short.txt").write_text("\n".join(corpus.stories(30_000)))
+    args = flags(data=tmp_path / "short.txt", cache_dir=cache_dir, out=tmp_path / "run", vocab_size=400, seq_len=4000)
+    err = cli_error(capsys, *args)
+    assert "--seq-len 4000 is longer than the data" in err and "lower --seq-len" in err
+
+
+def test_prompt_longer_than_the_context_is_refused_before_training(capsys, tmp_path, text_file, cache_dir):
+    args = flags(data=text_file, cache_dir=cache_dir, out=tmp_path / "run", **{**TINY, "seq_len": 8})
+    err = cli_error(capsys, *args, "--prompt", "Once upon a time, there was a girl named Lily.")
+    assert re.search(r"--prompt is \d+ tokens but the context \(--seq-len\) is 8; shorten it", err)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--batch-size", "-2"), ("--seq-len", "0")])
+def test_non_positive_sizes_are_refused(capsys, tmp_path, flag, value):
+    assert f"{flag} must be a positive integer" in cli_error(capsys, flag, value, "--out", str(tmp_path / "run"))
+
+
+def test_resume_with_a_different_model_names_the_flag(capsys, reference_run):
+    args = flags(**{**reference_run["base"], "dim": 48})
+    err = cli_error(capsys, *args, "--out", str(reference_run["out"]), "--resume")
+    assert "cannot --resume" in err and "--dim 32 (now 48)" in err and "pass the flags it was trained with" in err
+
+
+def test_resume_on_other_data_is_refused(capsys, reference_run, tmp_path):
+    (tmp_path / "other.txt").write_text("\n\n".join(corpus.stories(60_000, seed=8)))
+    args = flags(**{**reference_run["base"], "data": tmp_path / "other.txt"})
+    err = cli_error(capsys, *args, "--out", str(reference_run["out"]), "--resume")
+    assert "it was trained on other data than" in err and "pass the --data it was trained on" in err
+
+
+def test_resume_from_a_torn_training_state_names_the_file(capsys, reference_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(reference_run["out"], run)
+    state = run / "step-000080" / "train_state.pt"
+    state.write_bytes(state.read_bytes()[:1000])
+    err = cli_error(capsys, *reference_run["args"], "--out", str(run), "--resume")
+    assert f"cannot --resume: {state} is corrupt" in err
+
+
+def test_resume_without_a_checkpoint_says_how_to_start(capsys, tmp_path):
+    assert "nothing to resume" in cli_error(capsys, "--out", str(tmp_path / "run"), "--resume")
+
+
+def test_starting_over_an_existing_run_is_refused(capsys, reference_run):
+    err = cli_error(capsys, *reference_run["args"], "--out", str(reference_run["out"]))
+    assert "already holds a training run; pass --resume" in err
