@@ -29,7 +29,7 @@ from .config_check import brief
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 _SAFETENSORS_FLOATS = {"F16", "BF16", "F32", "F64"}
-_SAFETENSORS_CODES = {"I8", "U8"}  # a quantized checkpoint's integer weights (llama_mini/quantize.py)
+_SAFETENSORS_CODES = {"I8", "U8"}  # a quantized checkpoint's integer weights (llama_mini/quant/)
 # A Llama config or shard index is a few kB (the index of a 405B model about 100 kB).
 MAX_JSON_BYTES = 16 * 2**20
 # torch.save's legacy (pre-1.6, non-zip) format starts with a pickled magic number.

@@ -11,7 +11,7 @@ Written with the `gguf` package, llama.cpp's own writer, for architecture "llama
 Types: 1-D tensors (norms, rope_freqs) are F32 in every file, as llama.cpp writes them. q8_0 and
 q4_0 quantize the matrices in blocks of 32 (a matrix whose rows do not split into blocks falls
 back to F16, as in convert_hf_to_gguf.py); under q4_0 the output head is Q8_0, for the reason
-llama_mini/quantize.py keeps it at int8.
+llama_mini/quant/ keeps it at int8.
 """
 
 import dataclasses

@@ -65,7 +65,7 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
 
 def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():
     """Row 8p + j's inputs 4c..4c+3 are bytes 4j..4j+3 of run c of set p (int4's layout is
-    tests/test_quantize.py's)."""
+    tests/quant/test_quantize.py's)."""
     codes = (torch.arange(16 * 64).reshape(16, 64) % 251 - 125).to(torch.int8)
     int8 = pack_int8(codes)
     assert int8.shape == (2, 512) and torch.equal(int8[1, 32 * 3 + 4 * 5: 32 * 3 + 4 * 5 + 4], codes[13, 12:16])

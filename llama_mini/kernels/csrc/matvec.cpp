@@ -103,7 +103,7 @@ template <typename Block> void by_blocks(int64_t begin, int64_t end, const Block
 
 // Calls body<S>(sets) for the sets of rows [first, last): two at a time, one from each half of
 // the range, then the one left over. Each thread then reads two streams of weights side by
-// side, which keeps more reads in flight than one: 1.15-1.4x the bandwidth on two AVX2 cores.
+// side, which keeps more reads in flight than one stream does (docs/generate_speed.md).
 template <typename Body> void in_two_streams(int64_t first, int64_t last, const Body& body) {
     const int64_t half = (last - first) / 2;
     for (int64_t set = first; set < first + half; set++) {
@@ -157,8 +157,8 @@ __m256 load8_scales(const void* p, int64_t i, bool bf16) {
 // Rows come in sets of eight, interleaved (matvec.h), as int4's do: one 32-byte load holds four
 // inputs of each of the eight rows, multiplied by the same four activations (broadcast), so the
 // sums land one row per lane and each set is one stream from memory. vpmaddubsw multiplies
-// unsigned by signed bytes, so each product is taken as |w| times x with w's sign. Against four
-// rows read side by side, this streams the weights 1.1-1.7x faster on two AVX2 cores.
+// unsigned by signed bytes, so each product is taken as |w| times x with w's sign. It streams the
+// weights faster than four rows read side by side (docs/generate_speed.md).
 
 constexpr int64_t INT8_PREFETCH = 1024;  // bytes ahead in each stream
 
