@@ -90,7 +90,9 @@ def use_fused_rmsnorm(model: nn.Module, fallback: bool = True) -> nn.Module:
     fallback=False raises. Apply it after the model is on its device.
     """
     norms = [m for m in model.modules() if type(m) is RMSNorm]
-    device = norms[0].weight.device.type if norms else "cpu"
+    if not norms:  # LayerNorm or no norm: nothing to fuse, nothing to build
+        return model
+    device = norms[0].weight.device.type
     if device == "cuda" and _cuda_fusable():
         for norm in norms:
             norm.compile()
@@ -99,8 +101,7 @@ def use_fused_rmsnorm(model: nn.Module, fallback: bool = True) -> nn.Module:
     if reason is not None:
         if not fallback:
             raise RuntimeError(f"fused RMSNorm cannot run here: {reason}; apply it with fallback=True to keep the reference")
-        if norms:
-            notice_fallback(reason)
+        notice_fallback(reason)
         return model
     for norm in norms:
         norm.__class__, norm.fallback = FusedRMSNorm, fallback
