@@ -37,6 +37,7 @@ class ScoreBpeTokenizer(Tokenizer):
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.byte_ids, self.silent, self.dummy_prefix = byte_ids, silent, dummy_prefix
         self.byte_of = {i: b for b, i in byte_ids.items()}
+        self.unspellable = unspellable
         self.text_ids = {}
         for i, piece in enumerate(pieces):
             if i not in unspellable:
@@ -62,7 +63,8 @@ class ScoreBpeTokenizer(Tokenizer):
             if byte is not None:
                 out.append(byte)
             else:
-                out += piece[1:] if first and self.dummy_prefix and piece.startswith(b" ") else piece
+                dummy = first and self.dummy_prefix and piece.startswith(b" ") and i not in self.unspellable
+                out += piece[1:] if dummy else piece  # an unknown token's " ⁇ " keeps its space
             first = False
         return out.decode("utf-8", errors="sentencepiece")
 
