@@ -1,5 +1,11 @@
 """GGUF files written for tests with gguf's own writer, as llama.cpp's tools write them, and read
-back by transformers (an independent GGUF reader), for checking llama_mini's reader against both."""
+back by transformers (an independent GGUF reader), for checking llama_mini's reader against both;
+and the command lines the GGUF tests run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -7,6 +13,18 @@ from gguf import GGML_QUANT_SIZES, GGUFWriter, TokenType
 from gguf import GGMLQuantizationType as T
 
 from llama_mini.formats.names import to_format
+
+ROOT = Path(__file__).resolve().parents[1]
+# The evaluation windows of tests/formats/conftest.py's trained run, which a run fine-tuned from it shares.
+EVAL = ["--seq-len", 128, "--batch-size", 4, "--eval-iters", 2, "--sample-tokens", 0, "--device", "cpu"]
+
+
+def cli(*args, check=True) -> subprocess.CompletedProcess:
+    """python *args in the repository, on one thread."""
+    result = subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert not check or result.returncode == 0, result.stderr
+    return result
 
 
 def llama_cpp_permute(weights: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -38,7 +38,7 @@ from ..tokenizers.llama3 import TiktokenTokenizer
 from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
 from .config_check import brief, check_fields, model_args
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, check_llama
 from .names import from_format, to_format
 from .state_dict import check_layer_count, check_shape
 
@@ -109,18 +109,21 @@ HYPERPARAMETERS = {
     "rope_theta": (_llama(Keys.Rope.FREQ_BASE), float, False),
     "norm_eps": (_llama(Keys.Attention.LAYERNORM_RMS_EPS), float, True),
 }
+# The other keys read, each checked against what Llama's architecture implies.
+OTHER_KEYS = {
+    _llama(Keys.LLM.VOCAB_SIZE): int, _llama(Keys.Rope.DIMENSION_COUNT): int, _llama(Keys.Attention.KEY_LENGTH): int,
+    _llama(Keys.Attention.VALUE_LENGTH): int, _llama(Keys.Rope.SCALING_TYPE): str, _llama(Keys.Rope.SCALING_FACTOR): float,
+    _llama(Keys.Rope.SCALING_ORIG_CTX_LEN): int,
+}
 
 
 def args_from_gguf(fields: dict, vocab_size: int, source) -> dict:
     """The ModelArgs fields a GGUF file's metadata states, checked; vocab_size is token_embd's rows."""
-    arch = fields.get(Keys.General.ARCHITECTURE)
-    if arch != "llama":
-        raise ValueError(f"{source} holds a model of architecture {brief(arch)}; llama_mini reads GGUF files of "
-                         "llama.cpp's llama architecture (Llama-2, Llama-3.x, TinyLlama, llama2.c exports)")
+    check_llama(fields, source)
     missing = [key for key, _, required in HYPERPARAMETERS.values() if required and key not in fields]
     if missing:
         raise ValueError(f"{source} lacks {', '.join(missing)}, which llama.cpp's llama architecture requires")
-    check_fields(fields, {key: kind for key, kind, _ in HYPERPARAMETERS.values()}, source)
+    check_fields(fields, {**{key: kind for key, kind, _ in HYPERPARAMETERS.values()}, **OTHER_KEYS}, source)
     args = {name: fields[key] for name, (key, _, _) in HYPERPARAMETERS.items() if key in fields}
     stated = fields.get(_llama(Keys.LLM.VOCAB_SIZE), vocab_size)
     if stated != vocab_size:
@@ -155,8 +158,7 @@ def rope_scaling_from_factors(factors: torch.Tensor, args: ModelArgs, fields: di
     factors = factors.float()
     if torch.equal(factors, torch.ones_like(factors)):
         return args
-    original = fields.get(_llama(Keys.Rope.SCALING_ORIG_CTX_LEN), 8192)
-    check_fields({"original_context_length": original}, {"original_context_length": int}, source)
+    original = fields.get(_llama(Keys.Rope.SCALING_ORIG_CTX_LEN), 8192)  # checked by args_from_gguf
     try:
         scaled = dataclasses.replace(args, use_scaled_rope=True, rope_scaling_factor=factors.max().item(),
                                      rope_original_max_seq_len=original)

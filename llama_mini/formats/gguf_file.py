@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
+from .config_check import brief
 from .files import GGUF_MAGIC
 
 VERSIONS = (2, 3)
@@ -204,6 +205,15 @@ class GGUFFile:
             for i in range(0, len(rows), step):
                 rows[i : i + step] = torch.from_numpy(quants.dequantize(blocks[i : i + step], info.type))
         return out
+
+
+def check_llama(fields: dict, source) -> None:
+    """Refuse, in one line, a GGUF file of another architecture than llama.cpp's "llama" (the
+    one its Llama-2, Llama-3.x, TinyLlama and llama2.c conversions write)."""
+    arch = fields.get("general.architecture")
+    if not (isinstance(arch, str) and arch == "llama"):
+        raise ValueError(f"{source} holds a model of architecture {brief(arch)}; llama_mini reads GGUF files of "
+                         "llama.cpp's llama architecture (Llama-2, Llama-3.x, TinyLlama, llama2.c exports)")
 
 
 def _python_number(value, kind: GGUFValueType):

@@ -12,9 +12,10 @@ and encode_dialog work as for Meta's files. Any other vocabulary is refused in o
 
 import os
 
+import numpy as np
 from gguf import GGUFValueType, GGUFWriter, Keys, TokenType
 
-from ..formats.gguf_file import GGUFFile
+from ..formats.gguf_file import GGUFFile, check_llama
 from .base import Tokenizer
 from .llama3 import TiktokenTokenizer
 from .score_bpe import ScoreBpeTokenizer
@@ -30,15 +31,21 @@ LLAMA3_STOPS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
 def gguf_tokenizer(path) -> Tokenizer:
     """The tokenizer of the GGUF file at path, of the family its tokenizer.ggml.model names."""
     file = GGUFFile(path)
-    kind = file.fields.get(Keys.Tokenizer.MODEL)
+    if Keys.General.ARCHITECTURE in file.fields:  # a model llama_mini cannot run: say so, not why its vocabulary is refused
+        check_llama(file.fields, path)
+    kind, pre = (_name(file.fields.get(key)) for key in (Keys.Tokenizer.MODEL, Keys.Tokenizer.PRE))
     if kind == "llama":
         return GgufSentencePiece(path, Vocabulary(file))
-    pre = file.fields.get(Keys.Tokenizer.PRE)
     if kind == "gpt2" and pre in LLAMA3_PRE_TOKENIZERS:
         return GgufLlama3(path, Vocabulary(file))
     what = "no vocabulary" if kind is None else f"a {kind!r} vocabulary" + (f" with pre-tokenizer {pre!r}" if kind == "gpt2" else "")
     raise ValueError(f"{path} holds {what}; llama_mini reads GGUF vocabularies of type 'llama' (SentencePiece) and "
                      "'gpt2' with pre-tokenizer 'llama-bpe' (Llama-3); pass --tokenizer with the model's tokenizer file")
+
+
+def _name(value):
+    """A metadata value where a name belongs, as a string (a number or array shortened, to show)."""
+    return value if value is None or isinstance(value, str) else str(value)[:40]
 
 
 class Vocabulary:
@@ -54,6 +61,8 @@ class Vocabulary:
         self.merges = fields.get(Keys.Tokenizer.MERGES, [])
         self.ids = {key: self.token_id(fields, key) for key in (Keys.Tokenizer.BOS_ID, *STOP_KEYS, Keys.Tokenizer.PAD_ID)}
         self.add_space_prefix = fields.get(Keys.Tokenizer.ADD_PREFIX, True)
+        if not isinstance(self.add_space_prefix, bool):
+            raise self.refuse(f"{Keys.Tokenizer.ADD_PREFIX} is not true or false")
 
     def refuse(self, why: str) -> ValueError:
         return ValueError(f"{self.path}: its vocabulary is damaged ({why}); download or convert it again")
@@ -62,7 +71,7 @@ class Vocabulary:
         values = fields.get(key)
         if values is None:
             return default
-        if isinstance(values, list) or len(values) != len(self.tokens):
+        if not isinstance(values, np.ndarray) or len(values) != len(self.tokens):
             raise self.refuse(f"{key} is not one number per token")
         return values.tolist()
 
@@ -99,7 +108,7 @@ class GgufSentencePiece(ScoreBpeTokenizer):
         pad = vocab.ids[Keys.Tokenizer.PAD_ID]
         unspellable = control | vocab.of_type(TokenType.UNKNOWN, TokenType.BYTE, TokenType.UNUSED)
         super().__init__(os.fspath(model_path), pieces, vocab.scores, bos, eos, -1 if pad is None else pad, byte_ids,
-                         unspellable, silent=control | {bos, eos}, dummy_prefix=bool(vocab.add_space_prefix))
+                         unspellable, silent=control | {bos, eos}, dummy_prefix=vocab.add_space_prefix)
 
     @property
     def stop_ids(self) -> list[int]:
