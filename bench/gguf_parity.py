@@ -8,8 +8,11 @@ type, every matrix in that one type (--pure) or in llama.cpp's usual mixtures (Q
 Each file is loaded by llama_mini (load_checkpoint, its vocabulary from the file) and by llama.cpp:
 - against float32: the largest |logit difference| over a held-out text, teacher-forced, alone
   and as a share of the logits' spread; and how many greedy tokens after a prompt are the same;
-- against llama.cpp: the same two, on the same file. llama.cpp rounds activations to 8 bits in
-  its quantized matrix products, so on quantized files the two differ by that rounding.
+- against llama.cpp: the same, on the same file, and along llama_mini's greedy continuation
+  whether llama.cpp picks the same token at every step whose top two logits differ by more than
+  the two implementations do. llama.cpp rounds activations to 8 bits in its quantized matrix
+  products and keeps its KV cache in F16, so the two differ by that rounding, and a greedy
+  text can part at a near tie, after which the counts of equal tokens say little.
 
 Needs llama-cpp-python for the quantized types other than gguf's own (F16, BF16, Q8_0, Q4_0)
 and for the llama.cpp columns; without it those are left out.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -52,7 +56,7 @@ def quantize_with_llama_cpp(src: Path, dst: Path, type: str, pure: bool, threads
     params.nthread = threads
     if pure:
         params.pure = True
-        params.output_tensor_type = params.token_embedding_type = getattr(llama_cpp, f"GGML_TYPE_{type}")
+        params.output_tensor_type = params.token_embedding_type = int(GGMLQuantizationType[type])  # ggml's numbering
     if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {src} to {type}")
     return dst
@@ -128,18 +132,32 @@ def measure(ckpt, types, pure: bool, threads: int, n_greedy: int, folder: Path):
         row = [type, file_types(path), *compare(reference, logits), sum(a == b for a, b in zip(greedy, expected))]
         if llama_cpp is not None:
             peer = LlamaCpp(path, context, threads)
-            row += [*compare(peer.logits(text), logits), sum(a == b for a, b in zip(greedy, peer.greedy(prompt, n_greedy)))]
+            row += [*compare(peer.logits(text), logits), decided_choices(ours, peer, prompt, greedy),
+                    sum(a == b for a, b in zip(greedy, peer.greedy(prompt, n_greedy)))]
         rows.append(row)
         print(format_row(row, n_greedy), flush=True)
         del ours
     return rows
 
 
+@torch.no_grad()
+def decided_choices(model, peer: LlamaCpp, prompt: list[int], greedy: list[int]) -> tuple[int, int]:
+    """Along llama_mini's greedy continuation: (the steps where llama.cpp picks the same token,
+    the steps whose top two logits differ by more than the two implementations' largest
+    difference there). A nearer tie may fall either way; any other disagreement would be a bug."""
+    sequence = prompt + greedy
+    ours, theirs = model(torch.tensor([sequence]))[0], peer.logits(sequence)
+    largest = (ours - theirs).abs().max()
+    top = ours.topk(2, dim=-1).values
+    steps = [i for i in range(len(prompt) - 1, len(sequence) - 1) if top[i, 0] - top[i, 1] > largest]
+    return sum(theirs[i].argmax().item() == sequence[i + 1] for i in steps), len(steps)
+
+
 def format_row(row, n_greedy):
     type, composition, diff, share, equal, *peer = row
     cells = [type, composition, f"{diff:.2e}", f"{share:.2%}", f"{equal}/{n_greedy}"]
     if peer:
-        cells += [f"{peer[0]:.2e}", f"{peer[1]:.2%}", f"{peer[2]}/{n_greedy}"]
+        cells += [f"{peer[0]:.2e}", f"{peer[1]:.2%}", "{}/{}".format(*peer[2]), f"{peer[3]}/{n_greedy}"]
     return "| " + " | ".join(cells) + " |"
 
 
@@ -153,7 +171,8 @@ def main():
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     header = ("| type | matrices | max abs logit diff vs float32 | share of spread | greedy tokens equal | "
-              "max abs logit diff vs llama.cpp | share of spread | greedy tokens equal llama.cpp's |")
+              "max abs logit diff vs llama.cpp | share of spread | llama.cpp's choice at decided steps | "
+              "greedy tokens equal llama.cpp's |")
     with tempfile.TemporaryDirectory(prefix="gguf-parity-") as folder:
         runs = [(args.types, args.mixtures)] if args.types else [(PURE, False), (MIXTURES, True)]
         for types, mixtures in runs:
