@@ -1,4 +1,4 @@
-"""Sample text from a Llama checkpoint: our run folders, Meta's and Hugging Face's folders, llama2.c files.
+"""Sample text from a Llama checkpoint: our run folders, Meta's and Hugging Face's folders, GGUF and llama2.c files.
 
     python generate.py --ckpt llama-2-7b --prompt "The capital of France is"
     python generate.py --ckpt Llama-3.2-1B-Instruct --chat --system "Answer in one sentence."
@@ -30,8 +30,8 @@ MAX_CONTEXT = 1 << 24
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint: a llama_mini run, Meta or Hugging Face folder, or a llama2.c .bin/.pt file")
-    p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own)")
+    p.add_argument("--ckpt", required=True, help="checkpoint: a llama_mini run, Meta or Hugging Face folder, a GGUF file, or a llama2.c .bin/.pt file")
+    p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own; a GGUF file's is inside it)")
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--prompt-file", help="file whose text to continue")

@@ -5,7 +5,8 @@ prescribe, each holding the previous answers; the CLI must print exactly those a
 Two tiny models per family: a "sensitive" one (weights scaled up, greedy decoding), whose
 answers change when an earlier answer is left out of the prompt, so the CLI must have sent
 the answers back; and one that ends a turn with its end-of-turn token about one time in
-seven, so turns end there as well as at --max-new-tokens.
+seven, so turns end there as well as at --max-new-tokens. Each family also as a GGUF file, its
+vocabulary read from the file.
 """
 
 import pytest
@@ -32,7 +33,13 @@ def scale_weights(model, factor=10.0):
 
 
 def chat_checkpoint(root, family, change):
-    """A tiny model of the family, change(model, end_of_turn_id) applied, saved with its tokenizer."""
+    """A tiny model of the family, change(model, end_of_turn_id) applied, saved with its tokenizer
+    (family "...-gguf": exported as an F32 GGUF file, its vocabulary inside)."""
+    if family.endswith("-gguf"):
+        from llama_mini.formats.gguf import export_gguf
+
+        ckpt = chat_checkpoint(root, family.removesuffix("-gguf"), change)
+        return export_gguf(load_checkpoint(ckpt), root / "model.gguf", tokenizer_of(ckpt).model_path, "f32")
     if family == "llama3":
         return tiny_llama3(root / "hf", change=lambda model: change(model, EOT))
     text = "Tom had a red ball. He gave it to Sue, and she was glad. 'Thank you,' said Sue. " * 40
@@ -42,18 +49,23 @@ def chat_checkpoint(root, family, change):
     return save_checkpoint(change(model, tokenizer.eos_id), root / "ckpt", tokenizer_path=tokenizer.model_path)
 
 
-@pytest.fixture(scope="module", params=["llama2", "llama3"])
+FAMILIES = ["llama2", "llama3", "llama2-gguf", "llama3-gguf"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
 def sensitive_ckpt(request, tmp_path_factory):
     return chat_checkpoint(tmp_path_factory.mktemp(request.param), request.param, lambda model, end: scale_weights(model))
 
 
-@pytest.fixture(scope="module", params=["llama2", "llama3"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def turn_end_ckpt(request, tmp_path_factory):
-    logit = {"llama2": 2.0, "llama3": 6.0}[request.param]
+    logit = {"llama2": 2.0, "llama3": 6.0}[request.param.removesuffix("-gguf")]
     return chat_checkpoint(tmp_path_factory.mktemp(request.param), request.param, lambda model, end: favour_token(model, end, logit))
 
 
 def tokenizer_of(ckpt):
+    if ckpt.is_file():  # a GGUF file holds its own
+        return open_tokenizer(ckpt)
     return open_tokenizer(next(p for p in (ckpt / "tokenizer.model", ckpt / "original" / "tokenizer.model") if p.is_file()))
 
 

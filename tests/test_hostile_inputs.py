@@ -192,6 +192,41 @@ def test_bad_llama2c_file_is_refused_in_one_line(files, tmp_path, case):
     assert_refused(run("generate.py", "--ckpt", tmp_path / "model.bin", "--prompt", "Tom", "--max-new-tokens", 4), fragment)
 
 
+def replace_once(file, old: bytes, new: bytes):
+    """file with the bytes old (found once, by what they are) replaced by new, of the same length."""
+    data = file.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    file.write_bytes(data.replace(old, new))
+
+
+def gguf_string(text: str) -> bytes:
+    return len(text).to_bytes(8, "little") + text.encode()
+
+
+BAD_GGUF_FILES = {
+    # name: (damage to a GGUF export of the tiny model, expected fragment of the error)
+    "truncated gguf": (truncate, "is truncated or corrupt"),
+    "gguf of another architecture": (lambda f: replace_once(f, gguf_string("general.architecture") + bytes([8, 0, 0, 0]) + gguf_string("llama"),
+                                                            gguf_string("general.architecture") + bytes([8, 0, 0, 0]) + gguf_string("qwen2")),
+                                     "holds a model of architecture 'qwen2'; llama_mini reads GGUF files of llama.cpp's llama architecture"),
+    "gguf without a vocabulary": (lambda f: replace_once(f, gguf_string("tokenizer.ggml.model"), gguf_string("tokenizer.ggml.mod_l")),
+                                  "holds no vocabulary; llama_mini reads GGUF vocabularies of type 'llama'"),
+    "gguf claiming 10M layers": (lambda f: replace_once(f, gguf_string("llama.block_count") + bytes([4, 0, 0, 0]) + (1).to_bytes(4, "little"),
+                                                        gguf_string("llama.block_count") + bytes([4, 0, 0, 0]) + (10_000_000).to_bytes(4, "little")),
+                                 "the config says 10000000 layers; the weights hold 1"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_GGUF_FILES)
+def test_bad_gguf_file_is_refused_in_one_line(files, tmp_path, case):
+    from llama_mini.formats.gguf import export_gguf
+
+    damage, fragment = BAD_GGUF_FILES[case]
+    path = export_gguf(llama_mini.load_checkpoint(files / "native"), tmp_path / "model.gguf", files / "tok.model", "f32")
+    damage(path)
+    assert_refused(run("generate.py", "--ckpt", path, "--prompt", "Tom", "--max-new-tokens", 4), fragment)
+
+
 def test_missing_checkpoint_is_refused(tmp_path):
     assert_refused(run("generate.py", "--ckpt", tmp_path / "nope", "--prompt", "Tom"), f"checkpoint not found: {tmp_path / 'nope'}")
 

@@ -1,11 +1,11 @@
-"""Checkpoint formats in and out: native, Meta, Hugging Face, llama2.c, and GGUF export.
+"""Checkpoint formats in and out: native, Meta, Hugging Face, GGUF, and llama2.c's files (read only).
 
     load_checkpoint(path) -> Transformer      any format, told apart by content (checkpoint.py)
     save_checkpoint(model, path, format)      native, meta or hf
     python -m llama_mini.formats.convert SRC DST --to native|meta|hf|gguf
 
 One table names the parameters in every layout (names.py); each format has a module of its
-own; files.py reads files trusting nothing in them.
+own; files.py reads files trusting nothing in them, and gguf_file.py GGUF's container.
 """
 
 from .checkpoint import load_checkpoint, save_checkpoint

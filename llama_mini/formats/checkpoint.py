@@ -5,21 +5,23 @@ Formats (detect_format):
 - meta: Meta's download, params.json + consolidated.NN.pth (meta.py).
 - hf: a Hugging Face LlamaForCausalLM folder (hf.py).
 - llama2c-bin, llama2c-pt: llama2.c's exported .bin and its training ckpt.pt, single files (llama2c.py).
+- gguf: a llama.cpp GGUF file of the llama architecture, its vocabulary inside (gguf.py).
 
 Loading never holds two copies of the weights: the model is built on the meta device, the
 files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and the mapped
 tensors become the parameters through load_state_dict(assign=True). Pages are read from disk
-when first used, so peak memory is about the size of the files. Nothing a file says is
-trusted before it is checked (files.py, config_check.py).
+when first used, so peak memory is about the size of the files (for a quantized GGUF file,
+the size of its dequantized weights). Nothing a file says is trusted before it is checked
+(files.py, config_check.py).
 """
 
-import shutil
 from pathlib import Path
 
 from ..model import Transformer
 from .. import quant
+from ..tokenizers import copy_tokenizer
 from . import llama2c
-from .files import is_torch_file, write_file
+from .files import is_gguf, is_torch_file, write_file
 from .hf import MAX_SHARD_BYTES, hf_config_from_args, read_hf, write_hf
 from .meta import is_meta, read_meta, write_meta
 from .native import CONFIG, TOKENIZER, is_native, read_latest, read_native, write_native
@@ -47,13 +49,15 @@ def detect_format(path) -> str:
     """The format of a checkpoint folder or file (see the module docstring): the one place that decides."""
     path = Path(path)
     if path.is_file():
+        if is_gguf(path):
+            return "gguf"
         if is_torch_file(path):
             return "llama2c-pt"
         if llama2c.is_bin(path):
             return "llama2c-bin"
         raise ValueError(
             f"{path} is a file in no format llama_mini reads; pass the checkpoint folder that holds it "
-            f"({path.parent}), or a llama2.c .bin or .pt file"
+            f"({path.parent}), a GGUF file, or a llama2.c .bin or .pt file"
         )
     if is_meta(path):
         return "meta"
@@ -68,8 +72,10 @@ def detect_format(path) -> str:
 def find_tokenizer(path):
     """The tokenizer in the checkpoint folder, or in its parent (Meta's downloads keep one
     tokenizer beside the llama-2-7b/, llama-2-13b/ ... folders); for a llama2.c file, in the
-    folder that holds it; None if there is none."""
+    folder that holds it; a GGUF file holds its own; None if there is none."""
     path = resolve_run_folder(path)
+    if path.is_file() and is_gguf(path):
+        return path
     for folder in (path.parent,) if path.is_file() else (path, path.parent):
         for name in TOKENIZER_NAMES:
             if (folder / name).is_file():
@@ -89,8 +95,9 @@ def checkpoint_tokenizer(path, tokenizer_path=None) -> Path:
 
 
 def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None) -> Transformer:
-    """Load a checkpoint folder of any supported format, or a llama2.c file. dtype=None keeps
-    the stored dtype (one dtype for all: the embedding's, where the file mixes them).
+    """Load a checkpoint folder of any supported format, or a GGUF or llama2.c file. dtype=None
+    keeps the stored dtype (one dtype for all: the embedding's, where the file mixes them; a
+    GGUF file's quantized blocks are dequantized to float32).
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
@@ -107,9 +114,13 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
         args, state = read_meta(path, lambda: _vocab_size(checkpoint_tokenizer(path, tokenizer_path)))
     elif fmt == "hf":
         args, state = read_hf(path)
+    elif fmt == "gguf":
+        from .gguf import read_gguf  # the gguf package, imported when a GGUF file is read
+
+        args, state = read_gguf(path, dtype)
     else:
         args, state = (llama2c.read_bin if fmt == "llama2c-bin" else llama2c.read_pt)(path)
-    if fmt in ("meta", "llama2c-pt") and tie_equal_heads(state):  # formats that store a tied head twice
+    if fmt in ("meta", "llama2c-pt", "gguf") and tie_equal_heads(state):  # formats that store a tied head twice
         args.tie_embeddings = True
     if max_seq_len is not None:
         args.max_seq_len = max_seq_len
@@ -137,7 +148,7 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     model-parallel files as Meta's 13B (2) and 70B (8) are) or "hf" (opens with
     transformers' LlamaForCausalLM.from_pretrained; split into safetensors files of at most
     max_shard_bytes, listed in model.safetensors.index.json, as save_pretrained does).
-    tokenizer_path, when given, is copied into the folder as tokenizer.model.
+    tokenizer_path, when given, is copied into the folder as tokenizer.model (copy_tokenizer).
     """
     check_writable(model.args, format, shards, max_shard_bytes)  # before anything is created
     if getattr(model, "quantization", None) and format != "native":
@@ -151,7 +162,7 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     else:
         write_hf(model, path, max_shard_bytes)
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
-        write_file(path / TOKENIZER, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+        write_file(path / TOKENIZER, lambda tmp: copy_tokenizer(tokenizer_path, tmp))
     return path
 
 

@@ -6,8 +6,10 @@
     python -m llama_mini.formats.convert stories15M.bin stories15M-hf --to hf  # llama2.c's export
     python -m llama_mini.formats.convert out/run out/run-int8 --to native --quantize int8
     python -m llama_mini.formats.convert out/run model-q8_0.gguf --to gguf --type q8_0   # for llama.cpp
+    python -m llama_mini.formats.convert model-Q4_K_M.gguf model-hf --to hf   # a GGUF file, dequantized
 
-The tokenizer.model found with SRC (in it or its parent) is copied into DST.
+The tokenizer.model found with SRC (in it or its parent) is copied into DST; a GGUF file's
+vocabulary becomes DST's tokenizer.model (a vocabulary-only GGUF file).
 """
 
 import argparse
@@ -71,7 +73,7 @@ def convert_to_gguf(src, dst: Path, gguf_type: str, dtype=None, tokenizer_path=N
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m llama_mini.formats.convert", description=__doc__.split("\n\n")[0])
-    p.add_argument("src", help="checkpoint: llama_mini run or checkpoint, Meta or Hugging Face folder, llama2.c .bin or .pt")
+    p.add_argument("src", help="checkpoint: llama_mini run or checkpoint, Meta or Hugging Face folder, GGUF file, llama2.c .bin or .pt")
     p.add_argument("dst", help="new folder to write")
     p.add_argument("--to", required=True, choices=FORMATS + ("gguf",))
     p.add_argument("--type", choices=GGUF_TYPES, default="f16", help="tensor type for --to gguf (default: %(default)s)")

@@ -1,12 +1,19 @@
-"""GGUF export, so that a model trained or converted here runs in llama.cpp and the tools built on it.
+"""GGUF, llama.cpp's file: models of its "llama" architecture read (read_gguf) and written
+(export_gguf), so that a model held as GGUF runs here and a model trained here runs in llama.cpp.
 
-Written with the `gguf` package, llama.cpp's own writer, for architecture "llama":
+Written with the `gguf` package, llama.cpp's own writer; read with gguf_file.py and dequantized
+with gguf's own quants code. The two directions are one mapping, each fact with its inverse:
 - Tensor names are llama.cpp's (token_embd, blk.N.attn_q, ..., output_norm, output: names.py).
+- Hyperparameters are llama.cpp's llama.* keys (write_hyperparameters, args_from_gguf).
 - q and k rows stay as they are: llama.cpp's "llama" rope rotates adjacent pairs, Meta's
   layout, which is ours; its convert_hf_to_gguf.py permutes Hugging Face's q/k back to it.
 - Llama-3.1 RoPE scaling is stored as llama.cpp does: a `rope_freqs` tensor of per-frequency
-  divisors (ggml_rope_ext divides each frequency by its factor).
-- The vocabulary comes from the SentencePiece tokenizer.model (tokenizer.ggml.model "llama").
+  divisors (ggml_rope_ext divides each frequency by its factor), read back as the scaling
+  parameters that give those divisors.
+- A tied output head is left out; llama.cpp then uses token_embd.
+- The vocabulary is the model's tokenizer in llama.cpp's keys: SentencePiece (tokenizer.ggml.model
+  "llama"), Llama-3's tiktoken ranks ("gpt2", pre-tokenizer "llama-bpe"), or another GGUF's
+  vocabulary copied as it is (llama_mini/tokenizers/gguf.py reads them back).
 
 Types: 1-D tensors (norms, rope_freqs) are F32 in every file, as llama.cpp writes them. q8_0 and
 q4_0 quantize the matrices in blocks of 32 (a matrix whose rows do not split into blocks falls
@@ -19,21 +26,30 @@ from pathlib import Path
 
 import gguf
 import numpy as np
-import sentencepiece as spm
 import torch
 from gguf import GGMLQuantizationType as T
+from gguf import Keys
 
 from ..files import atomic_write
 from ..model import ModelArgs, Transformer, rope_frequencies
-from .names import to_format
+from ..tokenizers import open_tokenizer
+from ..tokenizers.gguf import GgufLlama3, GgufSentencePiece, copy_vocabulary
+from ..tokenizers.llama3 import TiktokenTokenizer
+from ..tokenizers.spm import SentencePieceTokenizer
+from ..tokenizers.tokenizer_json import bpe_from_ranks
+from .config_check import brief, check_fields, model_args
+from .gguf_file import GGUFFile, check_llama
+from .names import from_format, to_format
+from .state_dict import check_layer_count, check_shape
 
 TENSOR_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
 BLOCK = 32  # weights per Q8_0 / Q4_0 block
+ROPE_FREQS = "rope_freqs.weight"
 
 def export_gguf(model: Transformer, path, tokenizer_path, type: str = "f16") -> Path:
-    """Write model and its SentencePiece vocabulary to the GGUF file path; returns path."""
+    """Write model and its vocabulary (from tokenizer_path, see write_vocabulary) to the GGUF file path; returns path."""
     if type not in TENSOR_TYPES:
         raise ValueError(f"unknown GGUF type {type!r}; choose one of {', '.join(TENSOR_TYPES)}")
     check_exportable(model)
@@ -76,10 +92,82 @@ def write_hyperparameters(writer, args: ModelArgs, file_type) -> None:
     writer.add_file_type(file_type)
 
 
+def _llama(key: str) -> str:
+    """gguf's key template ("{arch}.block_count") for the llama architecture."""
+    return key.format(arch="llama")
+
+
+# ModelArgs fields read from llama.cpp's keys, the keys write_hyperparameters writes, with their
+# types and whether llama.cpp requires them for the llama architecture.
+HYPERPARAMETERS = {
+    "max_seq_len": (_llama(Keys.LLM.CONTEXT_LENGTH), int, True),
+    "dim": (_llama(Keys.LLM.EMBEDDING_LENGTH), int, True),
+    "n_layers": (_llama(Keys.LLM.BLOCK_COUNT), int, True),
+    "hidden_dim": (_llama(Keys.LLM.FEED_FORWARD_LENGTH), int, True),
+    "n_heads": (_llama(Keys.Attention.HEAD_COUNT), int, True),
+    "n_kv_heads": (_llama(Keys.Attention.HEAD_COUNT_KV), int, False),
+    "rope_theta": (_llama(Keys.Rope.FREQ_BASE), float, False),
+    "norm_eps": (_llama(Keys.Attention.LAYERNORM_RMS_EPS), float, True),
+}
+# The other keys read, each checked against what Llama's architecture implies.
+OTHER_KEYS = {
+    _llama(Keys.LLM.VOCAB_SIZE): int, _llama(Keys.Rope.DIMENSION_COUNT): int, _llama(Keys.Attention.KEY_LENGTH): int,
+    _llama(Keys.Attention.VALUE_LENGTH): int, _llama(Keys.Rope.SCALING_TYPE): str, _llama(Keys.Rope.SCALING_FACTOR): float,
+    _llama(Keys.Rope.SCALING_ORIG_CTX_LEN): int,
+}
+
+
+def args_from_gguf(fields: dict, vocab_size: int, source) -> dict:
+    """The ModelArgs fields a GGUF file's metadata states, checked; vocab_size is token_embd's rows."""
+    check_llama(fields, source)
+    missing = [key for key, _, required in HYPERPARAMETERS.values() if required and key not in fields]
+    if missing:
+        raise ValueError(f"{source} lacks {', '.join(missing)}, which llama.cpp's llama architecture requires")
+    check_fields(fields, {**{key: kind for key, kind, _ in HYPERPARAMETERS.values()}, **OTHER_KEYS}, source)
+    args = {name: fields[key] for name, (key, _, _) in HYPERPARAMETERS.items() if key in fields}
+    stated = fields.get(_llama(Keys.LLM.VOCAB_SIZE), vocab_size)
+    if stated != vocab_size:
+        raise ValueError(f"{source} states a vocabulary of {brief(stated)} tokens but token_embd has {vocab_size} rows")
+    head_dim = args["dim"] // args["n_heads"]
+    for key in (Keys.Rope.DIMENSION_COUNT, Keys.Attention.KEY_LENGTH, Keys.Attention.VALUE_LENGTH):
+        if fields.get(_llama(key), head_dim) != head_dim:
+            raise ValueError(f"{source}: {_llama(key)} is {brief(fields[_llama(key)])}, not the head size {head_dim} "
+                             "(embedding_length / head_count) that Llama's attention has")
+    scaling = fields.get(_llama(Keys.Rope.SCALING_TYPE), "none")
+    if scaling != "none" and not (scaling == "linear" and fields.get(_llama(Keys.Rope.SCALING_FACTOR)) == 1):
+        raise ValueError(f"{source} asks for {brief(scaling)} RoPE scaling, which llama_mini does not implement "
+                         "(it has Llama-3.1's, which llama.cpp stores as a rope_freqs tensor)")
+    return {**args, "vocab_size": vocab_size}
+
+
 def rope_freq_factors(args: ModelArgs) -> torch.Tensor:
     """llama.cpp's rope_freqs: what each unscaled frequency is divided by under Llama-3.1 scaling."""
     unscaled = rope_frequencies(dataclasses.replace(args, use_scaled_rope=False))
     return unscaled / rope_frequencies(args)
+
+
+def rope_scaling_from_factors(factors: torch.Tensor, args: ModelArgs, fields: dict, source) -> ModelArgs:
+    """args with the Llama-3.1 scaling whose rope_freq_factors are the file's rope_freqs.
+
+    The longest wavelengths are divided by the factor itself; the smoothing constants are
+    Meta's published ones (low 1, high 4, original context 8192 unless the file says), the
+    only ones Llama-3.x uses. Divisors no such scaling gives are refused, not approximated.
+    """
+    if tuple(factors.shape) != (args.head_dim // 2,):
+        raise ValueError(f"{source}: rope_freqs has shape {tuple(factors.shape)}, not ({args.head_dim // 2},), one per frequency")
+    factors = factors.float()
+    if torch.equal(factors, torch.ones_like(factors)):
+        return args
+    original = fields.get(_llama(Keys.Rope.SCALING_ORIG_CTX_LEN), 8192)  # checked by args_from_gguf
+    try:
+        scaled = dataclasses.replace(args, use_scaled_rope=True, rope_scaling_factor=factors.max().item(),
+                                     rope_original_max_seq_len=original)
+    except ValueError as e:
+        raise ValueError(f"{source}: its rope_freqs are not Llama-3.1's RoPE scaling ({e})") from None
+    if not torch.allclose(rope_freq_factors(scaled), factors, rtol=1e-5, atol=0):
+        raise ValueError(f"{source}: its rope_freqs are not Llama-3.1's RoPE scaling (factor {scaled.rope_scaling_factor:g}, "
+                         f"low 1, high 4, original context {original}), the only scaling llama_mini computes")
+    return scaled
 
 
 def gguf_tensors(model: Transformer, type: str):
@@ -91,7 +179,7 @@ def gguf_tensors(model: Transformer, type: str):
         qtype = tensor_type(name, tensor, type)
         yield to_format(name, "gguf"), encode(tensor, qtype), qtype
     if model.args.use_scaled_rope:
-        yield "rope_freqs.weight", rope_freq_factors(model.args).numpy(), T.F32
+        yield ROPE_FREQS, rope_freq_factors(model.args).numpy(), T.F32
 
 
 def tensor_type(name: str, tensor: torch.Tensor, type: str):
@@ -114,20 +202,93 @@ def encode(tensor: torch.Tensor, qtype) -> np.ndarray:
     return gguf.quants.quantize(data, qtype)
 
 
-def write_vocabulary(writer, tokenizer_path, vocab_size: int) -> None:
-    """The SentencePiece vocabulary as convert_hf_to_gguf.py writes it: pieces, scores, token types."""
-    if tokenizer_path is None:
-        raise FileNotFoundError("GGUF export needs the model's tokenizer.model (llama.cpp reads the vocabulary "
-                                "from the file); pass --tokenizer PATH")
-    sp = spm.SentencePieceProcessor()
+def read_gguf(path: Path, dtype=None):
+    """(ModelArgs, state dict in our names) of a GGUF file of llama.cpp's llama architecture.
+
+    Names and shapes are checked against the metadata before any tensor is read. F32, F16 and
+    BF16 tensors stay views of the mapped file; quantized ones are dequantized one at a time,
+    to dtype (default float32, which holds every dequantized value exactly).
+    """
+    file = GGUFFile(path)
+    names = {}
+    for name in file.tensors:
+        if name != ROPE_FREQS:
+            try:
+                names[from_format(name, "gguf")] = name
+            except KeyError:
+                raise ValueError(f"{path} holds tensor {name[:80]!r}, which is not part of a Llama model") from None
+    if "tok_embeddings.weight" not in names:
+        raise ValueError(f"{path} has no token_embd.weight; it is not a whole Llama model")
+    fields = args_from_gguf(file.fields, file.tensors[names["tok_embeddings.weight"]].shape[0], path)
+    tied = "output.weight" not in names  # llama.cpp then uses token_embd as the head
+    args = model_args({**fields, "tie_embeddings": tied}, path)
+    if ROPE_FREQS in file.tensors:
+        args = rope_scaling_from_factors(file.tensor(ROPE_FREQS), args, file.fields, path)
     try:
-        sp.Load(str(tokenizer_path))
-    except (OSError, RuntimeError):
-        raise ValueError(f"{tokenizer_path} is not a SentencePiece model; GGUF export writes SentencePiece "
-                         "vocabularies only (a Llama-3 tiktoken vocabulary is not supported yet)") from None
-    if sp.vocab_size() != vocab_size:
-        raise ValueError(f"{tokenizer_path} has {sp.vocab_size()} tokens but the model has {vocab_size}; "
+        check_layer_count(args, names)  # before building: a file may claim millions of layers
+        with torch.device("meta"):
+            expected = Transformer(args).state_dict()
+        for ours, theirs in names.items():
+            check_shape(theirs, file.tensors[theirs], expected[ours])
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+    missing = expected.keys() - names.keys() - ({"output.weight"} if tied else set())
+    if missing:
+        raise ValueError(f"{path} does not fit its metadata: missing {sorted(to_format(n, 'gguf') for n in missing)[:3]}")
+    state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
+    if tied:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return args, state
+
+
+def write_vocabulary(writer, tokenizer_path, vocab_size: int) -> None:
+    """The model's vocabulary in llama.cpp's keys, from its tokenizer file: a SentencePiece
+    model, Llama-3's tiktoken ranks (or its tokenizer.json), or a GGUF file's vocabulary."""
+    if tokenizer_path is None:
+        raise FileNotFoundError("GGUF export needs the model's tokenizer (llama.cpp reads the vocabulary "
+                                "from the file); pass --tokenizer PATH")
+    tokenizer = open_tokenizer(tokenizer_path)
+    if tokenizer.n_words != vocab_size:
+        raise ValueError(f"{tokenizer_path} has {tokenizer.n_words} tokens but the model has {vocab_size}; "
                          "pass the tokenizer.model that belongs to this model (--tokenizer)")
+    if isinstance(tokenizer, (GgufSentencePiece, GgufLlama3)):
+        copy_vocabulary(GGUFFile(tokenizer_path), writer)
+    elif isinstance(tokenizer, TiktokenTokenizer):
+        write_llama3_vocabulary(writer, tokenizer)
+    elif isinstance(tokenizer, SentencePieceTokenizer):
+        write_sentencepiece_vocabulary(writer, tokenizer.sp)
+    else:
+        raise ValueError(f"{tokenizer_path} is llama2.c's tokenizer.bin, which GGUF export does not write; pass "
+                         "--tokenizer with the SentencePiece tokenizer.model it was exported from")
+
+
+def write_llama3_vocabulary(writer, tokenizer: TiktokenTokenizer) -> None:
+    """Llama-3's vocabulary as convert_hf_to_gguf.py writes it from Meta's Hugging Face files:
+    byte-level BPE tokens and merges (as transformers made them from Meta's ranks), the
+    special tokens after them as control tokens, and pre-tokenizer "llama-bpe"."""
+    tokens, merges = bpe_from_ranks(tokenizer.ranks)
+    specials = sorted(tokenizer.special_tokens.items(), key=lambda item: item[1])
+    if [i for _, i in specials] != list(range(len(tokens), tokenizer.n_words)):
+        raise ValueError(f"{tokenizer.model_path}: its special tokens do not follow its ranks; GGUF numbers tokens in order")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("llama-bpe")
+    writer.add_token_list(tokens + [name for name, _ in specials])
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens) + [gguf.TokenType.CONTROL] * len(specials))
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(tokenizer.bos_id)
+    writer.add_eos_token_id(tokenizer.eos_id)
+    writer.add_eot_token_id(tokenizer.special_tokens["<|eot_id|>"])
+    if "<|eom_id|>" in tokenizer.special_tokens:
+        writer.add_eom_token_id(tokenizer.special_tokens["<|eom_id|>"])
+    if tokenizer.pad_id >= 0:
+        writer.add_pad_token_id(tokenizer.pad_id)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+
+
+def write_sentencepiece_vocabulary(writer, sp) -> None:
+    """The SentencePiece vocabulary as convert_hf_to_gguf.py writes it: pieces, scores, token types."""
+    vocab_size = sp.vocab_size()
     pieces = [sp.IdToPiece(i) for i in range(vocab_size)]
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")

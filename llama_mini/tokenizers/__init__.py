@@ -4,12 +4,14 @@
                           ->  TiktokenTokenizer       Llama-3's tokenizer.model, tiktoken BPE ranks (llama3.py)
                           ->  HfTokenizerJson         Llama-3's tokenizer.json, read as those ranks (tokenizer_json.py)
                           ->  Llama2cTokenizer        llama2.c's tokenizer.bin (llama2c.py)
+                          ->  GgufSentencePiece, GgufLlama3   the vocabulary inside a GGUF file (gguf.py)
 
 Every family is a Tokenizer (base.py): Meta's encode/decode interface, stop_ids and
 encode_dialog (chat_format.py, Meta's chat prompt for that family).
 """
 
 import re
+import shutil
 import struct
 from pathlib import Path
 
@@ -26,6 +28,10 @@ def open_tokenizer(path) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer not found: {path}; pass --tokenizer PATH/tokenizer.model")
     with open(path, "rb") as f:
         head = f.read(64)
+    if _is_gguf(path):
+        from .gguf import gguf_tokenizer
+
+        return gguf_tokenizer(path)
     if _TIKTOKEN_LINE.match(head):
         from .llama3 import TiktokenTokenizer
 
@@ -51,6 +57,23 @@ def check_vocab_size(tokenizer: Tokenizer, vocab_size: int, model) -> None:
             f"tokenizer {tokenizer.model_path} has {tokenizer.n_words} tokens but the model's vocabulary has "
             f"{vocab_size} ({model}); pass the tokenizer that belongs to this checkpoint (--tokenizer)"
         )
+
+
+def copy_tokenizer(path, dst) -> None:
+    """Copy the tokenizer file at path to dst; of a GGUF model, only its vocabulary (a
+    vocabulary-only GGUF file, as llama.cpp's ggml-vocab-*.gguf), not gigabytes of weights."""
+    if _is_gguf(path):
+        from .gguf import write_vocabulary_file
+
+        write_vocabulary_file(path, dst)
+    else:
+        shutil.copyfile(path, dst)
+
+
+def _is_gguf(path) -> bool:
+    from ..formats.files import is_gguf  # the format's own test, imported when a tokenizer is opened
+
+    return is_gguf(path)
 
 
 def _looks_like_llama2c(head: bytes) -> bool:

@@ -44,9 +44,9 @@ _RUNS = re.compile(r"\s+|\S+")  # \s is exactly str.isspace, Meta's test
 class TiktokenTokenizer(Tokenizer):
     def __init__(self, model_path):
         self.model_path = os.fspath(model_path)
-        ranks, self.special_tokens = self.read(self.model_path)
+        self.ranks, self.special_tokens = self.read(self.model_path)  # the ranks: bytes -> id
         self.model = tiktoken.Encoding(
-            name=Path(model_path).name, pat_str=PAT_STR, mergeable_ranks=ranks, special_tokens=self.special_tokens
+            name=Path(model_path).name, pat_str=PAT_STR, mergeable_ranks=self.ranks, special_tokens=self.special_tokens
         )
         self.n_words: int = self.model.n_vocab
         self.bos_id: int = self.special_tokens["<|begin_of_text|>"]

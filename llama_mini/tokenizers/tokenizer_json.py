@@ -14,6 +14,8 @@ from pathlib import Path
 from .llama3 import PAT_STR, TiktokenTokenizer
 
 MAX_FILE_BYTES = 256 << 20  # the Llama-3 file is 9 MB; a bigger one is not a tokenizer.json we read
+# The special tokens Meta's chat format (chat_format.llama3_dialog) and a text's end are made of.
+LLAMA3_CHAT_TOKENS = {"<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"}
 
 
 class HfTokenizerJson(TiktokenTokenizer):
@@ -47,24 +49,51 @@ def read_tokenizer_json(path) -> tuple[dict[bytes, int], dict[str, int]]:
         raise refuse("not byte-level BPE with Meta's pre-tokenizer")
     if byte_level.get("type") != "ByteLevel" or byte_level.get("add_prefix_space"):
         raise refuse("not byte-level BPE with Meta's pre-tokenizer")
-    alphabet = _byte_alphabet()
     try:
-        if not set("".join(model["vocab"])) <= alphabet.keys():
-            raise refuse("a token outside the byte-level alphabet")
-        table = str.maketrans(alphabet)
-        spelled = {token: token.translate(table).encode("latin-1") for token in model["vocab"]}
-        ranks = {spelled[token]: i for token, i in model["vocab"].items()}
-        merges = [tuple(spelled[part] for part in (m.split(" ") if isinstance(m, str) else m)) for m in model["merges"]]
+        ranks = ranks_from_bpe(model["vocab"], model["merges"])
         special = {t["content"]: t["id"] for t in config["added_tokens"] if t["id"] >= len(ranks)}
     except (KeyError, TypeError, AttributeError):
         raise refuse("its merge rules are not every split of every token") from None
-    if sorted(ranks.values()) != list(range(len(ranks))):
-        raise refuse("its token ids are not 0..n-1 once each")
-    if not _merges_follow_ranks(ranks, merges):
-        raise refuse("its merge rules are not every split of every token, in the order of the token's rank")
-    if not {"<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"} <= special.keys():
+    except ValueError as e:
+        raise refuse(str(e)) from None
+    if not LLAMA3_CHAT_TOKENS <= special.keys():
         raise refuse("it lacks Llama-3's special tokens")
     return ranks, special
+
+
+def ranks_from_bpe(vocab: dict[str, int], merges: list) -> dict[bytes, int]:
+    """The tiktoken ranks that byte-level BPE tokens (GPT-2's alphabet, token -> id) and merge
+    rules ("a b" or [a, b]) were made from, or ValueError(why not): the ids must be 0..n-1 and
+    merging by the rules must be merging by rank."""
+    alphabet = _byte_alphabet()
+    if not set("".join(vocab)) <= alphabet.keys():
+        raise ValueError("a token outside the byte-level alphabet")
+    table = str.maketrans(alphabet)
+    spelled = {token: token.translate(table).encode("latin-1") for token in vocab}
+    ranks = {spelled[token]: i for token, i in vocab.items()}
+    try:
+        merges = [tuple(spelled[part] for part in (m.split(" ") if isinstance(m, str) else m)) for m in merges]
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError("its merge rules are not every split of every token") from None
+    if sorted(ranks.values()) != list(range(len(ranks))):
+        raise ValueError("its token ids are not 0..n-1 once each")
+    if any(bytes([b]) not in ranks for b in range(256)):  # tiktoken spells any text with them
+        raise ValueError("not every single byte is a token")
+    if not _merges_follow_ranks(ranks, merges):
+        raise ValueError("its merge rules are not every split of every token, in the order of the token's rank")
+    return ranks
+
+
+def bpe_from_ranks(ranks: dict[bytes, int]) -> tuple[list[str], list[str]]:
+    """The inverse of ranks_from_bpe: each rank's token in GPT-2's alphabet, and the merge rules
+    "a b" as transformers' TikTokenConverter makes them (every split of every token into two
+    tokens, ordered by the rank of the token made, then of its left and right parts)."""
+    spell = {b: c for c, b in _byte_alphabet().items()}
+    text = {token: "".join(spell[b] for b in token) for token in ranks}
+    splits = [(ranks[t], ranks[t[:i]], ranks[t[i:]], t[:i], t[i:]) for t in ranks for i in range(1, len(t))
+              if t[:i] in ranks and t[i:] in ranks]
+    merges = [f"{text[left]} {text[right]}" for *_, left, right in sorted(splits)]
+    return [text[token] for token in sorted(ranks, key=ranks.get)], merges
 
 
 def _merges_follow_ranks(ranks: dict[bytes, int], merges: list[tuple[bytes, ...]]) -> bool:

@@ -34,6 +34,7 @@ from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of
 from ..formats.state_dict import build_model
 from ..model import ModelArgs
+from ..tokenizers import copy_tokenizer
 from .lock import LOCK_NAME, RunFolderBusy, RunLock
 from .plots import Curve, plot_curves
 
@@ -153,7 +154,7 @@ class RunFolder:
             # loaded from may be a checkpoint that gets pruned, or a cache someone clears.
             ours = self.path / TOKENIZER
             if not (ours.is_file() and filecmp.cmp(tokenizer_path, ours, shallow=False)):
-                atomic_write(ours, lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+                atomic_write(ours, lambda tmp: copy_tokenizer(tokenizer_path, tmp))  # of a GGUF model, its vocabulary
         except BaseException as e:
             self.close()
             if created is not None:

@@ -2,12 +2,14 @@
 
 hypothesis rewrites one part of a valid tiny checkpoint at a time: a safetensors header (its
 length field, a tensor's dtype, shape or offsets), the fields of params.json, of a Hugging Face
-config.json or of our own config.json, the weight_map of a shard index, and the header of a
-llama2.c .bin (its sizes, version, flags, or the file's length). Each example must
-end in one of two ways only:
+config.json or of our own config.json, the weight_map of a shard index, the header of a
+llama2.c .bin (its sizes, version, flags, or the file's length), and a GGUF file (any count,
+length, type, dim or offset of its header, metadata and tensor table, a metadata value, a
+missing key or vocabulary, or the file's length). Each example must end in one of two ways only:
 - a loaded model, or
 - a ValueError or OSError whose message is one line naming the file or folder (or, for a
   config that disagrees with its weights, the tensor that does not fit).
+A GGUF file's vocabulary is opened too, and used, with the same two outcomes.
 Any other exception fails, and so does memory: each kind of example runs in a child process
 whose address space is capped (RLIMIT_AS) a little above what its imports use, so a loader that
 believes a size in a file before checking it dies of MemoryError instead of paging the machine.
@@ -25,10 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-KINDS = ("safetensors_header", "params_json", "hf_config", "native_config", "shard_index", "llama2c_header")
+KINDS = ("safetensors_header", "params_json", "hf_config", "native_config", "shard_index", "llama2c_header", "gguf")
 MEMORY_CAP_BYTES = 2**30  # beyond what the imports mapped; the tiny checkpoint needs a few MB
 EXAMPLES_PER_KIND = 200
 
@@ -64,7 +67,8 @@ def run_child(kind: str) -> None:
             folder = Path(tmp) / folder_name
             shutil.copytree(base / folder_name, folder)
             apply(folder)
-            target = folder / "model.bin" if (folder / "model.bin").exists() else folder  # llama2.c: a file
+            files = [folder / name for name in ("model.bin", "model.gguf") if (folder / name).exists()]
+            target = files[0] if files else folder  # llama2.c and GGUF: a file
             outcomes[check_outcome(target)] += 1
 
     fuzz()
@@ -75,16 +79,34 @@ def check_outcome(path: Path) -> str:
     """"loaded" or "refused", asserting that nothing else happened."""
     from llama_mini import Transformer, load_checkpoint
 
+    if path.suffix == ".gguf":
+        check_vocabulary(path)
     try:
         model = load_checkpoint(path)
     except (ValueError, OSError) as e:
-        message = str(e)
-        assert "\n" not in message, message
-        assert str(path) in message or message.startswith(("tensor ", "checkpoint does not fit")), message
+        assert_one_line(e, path)
         return "refused"
     assert isinstance(model, Transformer)
     assert len({p.dtype for p in model.parameters()}) == 1
     return "loaded"
+
+
+def assert_one_line(error: Exception, path: Path) -> None:
+    message = str(error)
+    assert "\n" not in message, message
+    assert str(path) in message or message.startswith(("tensor ", "checkpoint does not fit")), message
+
+
+def check_vocabulary(path: Path) -> None:
+    """The vocabulary of a GGUF file opens and encodes, or is refused in one line."""
+    from llama_mini.tokenizers import open_tokenizer
+
+    try:
+        tokenizer = open_tokenizer(path)
+        tokenizer.decode(tokenizer.encode("Hi there, 42!", bos=True, eos=True))
+        tokenizer.encode_dialog([{"role": "user", "content": "Hi"}])
+    except (ValueError, OSError) as e:
+        assert_one_line(e, path)
 
 
 def write_base_checkpoints(root: Path) -> Path:
@@ -103,7 +125,28 @@ def write_base_checkpoints(root: Path) -> Path:
     for version in (0, 1, 2):
         (root / f"llama2c-v{version}").mkdir()
         export(model, root / f"llama2c-v{version}" / "model.bin", version, group_size=16)
+    write_base_gguf(root / "gguf")
     return root
+
+
+def write_base_gguf(folder: Path) -> None:
+    """A tiny Llama with GQA in Q8_0 blocks (rows of 32) and F32 norms, and a 32-token vocabulary."""
+    import gguf
+    import torch
+
+    from gguf_files import add_tiny_vocabulary
+    from llama_mini import ModelArgs, Transformer
+    from llama_mini.formats.gguf import export_gguf
+
+    folder.mkdir()
+    vocabulary = gguf.GGUFWriter(str(folder / "vocab.gguf"), "llama")
+    add_tiny_vocabulary(vocabulary, 32)
+    for write in (vocabulary.write_header_to_file, vocabulary.write_kv_data_to_file, vocabulary.close):
+        write()
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, vocab_size=32, multiple_of=32, max_seq_len=32))
+    export_gguf(model, folder / "model.gguf", folder / "vocab.gguf", "q8_0")
+    (folder / "vocab.gguf").unlink()
 
 
 # --- Strategies: each draws (folder name, a function that damages a copy of that folder) ---------
@@ -252,8 +295,102 @@ def llama2c_header():
                      st.tuples(st.sampled_from(["llama2c-v1", "llama2c-v2"]), st.one_of(versioned, sizes)))
 
 
+def gguf_slots(file: Path) -> list:
+    """(offset, size) of every integer that shapes a GGUF file, found by gguf's own reader: the
+    header's version and counts; each metadata entry's key length, value type, string length,
+    array item type and count (and the first strings' lengths), or its value; each tensor's name
+    length, dimension count, dims, type and offset."""
+    import gguf
+
+    reader = gguf.GGUFReader(file)
+    slots = [(4, 4), (8, 8), (16, 8)]
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        offset = field.offset
+        for part in field.parts[:8]:  # key length, key, type, then the value's parts
+            if part.dtype != np.uint8:  # not a string's bytes
+                slots.append((offset, part.nbytes))
+            offset += part.nbytes
+    for tensor in reader.tensors:
+        offset = tensor.field.offset
+        for part in tensor.field.parts:
+            if part.dtype != np.uint8:
+                slots += [(offset + i * part.itemsize, part.itemsize) for i in range(part.size)]
+            offset += part.nbytes
+    return slots
+
+
+def gguf_file():
+    """An integer of the file's structure overwritten (see gguf_slots), a metadata key removed or
+    given another value and type, or bytes cut from or added to the end."""
+    import gguf as gguf_package
+    from hypothesis import strategies as st
+
+    base = Path(tempfile.mkdtemp(prefix="fuzz-gguf-"))
+    write_base_gguf(base / "gguf")
+    slots = gguf_slots(base / "gguf" / "model.gguf")
+    fields = GGUFFields(base / "gguf" / "model.gguf")
+    V = gguf_package.GGUFValueType
+
+    def overwrite(d, slot, value):
+        offset, size = slots[slot % len(slots)]
+        data = bytearray((d / "model.gguf").read_bytes())
+        data[offset : offset + size] = (value % 2 ** (8 * size)).to_bytes(size, "little")
+        (d / "model.gguf").write_bytes(bytes(data))
+
+    def resize(d, delta):
+        data = (d / "model.gguf").read_bytes()
+        (d / "model.gguf").write_bytes(data[:delta] if delta < 0 else data + bytes(delta))
+
+    numbers = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from(
+        [0, 1, 2, 3, 4, 5, 7, 8, 9, 12, 16, 30, 31, 32, 33, 64, 255, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**63, 2**64 - 1]))
+    values = st.one_of(st.tuples(st.integers(0, 2**31 - 1), st.sampled_from([V.UINT32, V.INT32, V.UINT64])),
+                       st.tuples(st.integers(-(2**31), -1), st.just(V.INT32)), st.tuples(st.integers(2**31, 2**64 - 1), st.just(V.UINT64)),
+                       st.tuples(st.floats(width=32), st.just(V.FLOAT32)), st.tuples(st.booleans(), st.just(V.BOOL)),
+                       st.tuples(st.sampled_from(["llama", "gpt2", "llama-bpe", "", "linear", "yarn", "none"]), st.just(V.STRING)),
+                       st.tuples(st.lists(st.integers(0, 40), min_size=1, max_size=40), st.just(V.ARRAY)))
+    structure = st.tuples(st.integers(0, 10**6), numbers).map(lambda c: lambda d: overwrite(d, *c))
+    metadata = st.tuples(st.sampled_from(sorted(fields.keys)), st.one_of(st.none(), values)).map(
+        lambda c: lambda d: fields.rewrite(d / "model.gguf", *c))
+    sizes = st.sampled_from([-1, -7, -100, -1000, 1, 31, 4096]).map(lambda n: lambda d: resize(d, n))
+    return st.tuples(st.just("gguf"), st.one_of(structure, structure, metadata, sizes))
+
+
+class GGUFFields:
+    """A GGUF file rewritten by gguf's writer with one metadata key removed or changed."""
+
+    def __init__(self, file: Path):
+        import gguf
+
+        reader = gguf.GGUFReader(file)
+        self.keys = [key for key in reader.fields if not key.startswith("GGUF.") and key != "general.architecture"]
+        self.fields = {key: (field.contents(), field.types[0], field.types[-1] if len(field.types) > 1 else None)
+                       for key, field in reader.fields.items() if key in self.keys}
+        self.tensors = [(t.name, np.array(t.data), t.tensor_type) for t in reader.tensors]
+
+    def rewrite(self, file: Path, key: str, value) -> None:
+        import gguf
+
+        fields = dict(self.fields)
+        if value is None:
+            del fields[key]
+        else:
+            item = gguf.GGUFValueType.UINT32 if value[1] == gguf.GGUFValueType.ARRAY else None
+            fields[key] = (*value, item)
+        writer = gguf.GGUFWriter(str(file), "llama")
+        for name, (content, kind, item) in fields.items():
+            writer.add_key_value(name, content, kind, item)
+        for name, data, kind in self.tensors:
+            writer.add_tensor(name, data, raw_dtype=None if kind == gguf.GGMLQuantizationType.F32 else kind)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+
+
 STRATEGIES = {"safetensors_header": safetensors_header, "params_json": params_json, "hf_config": hf_config,
-              "native_config": native_config, "shard_index": shard_index, "llama2c_header": llama2c_header}
+              "native_config": native_config, "shard_index": shard_index, "llama2c_header": llama2c_header, "gguf": gguf_file}
 
 if __name__ == "__main__":
     run_child(sys.argv[1])

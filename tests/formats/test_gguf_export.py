@@ -1,4 +1,5 @@
-"""GGUF export: read the file back with gguf's own reader and compare tensors and metadata."""
+"""GGUF export: read the file back with gguf's own reader and compare tensors and metadata.
+(Llama-3's vocabulary: tests/tokenizers/test_gguf_vocab.py.)"""
 
 import dataclasses
 import subprocess
@@ -16,6 +17,7 @@ from llama_mini.formats.hf import to_hf_state_dict
 gguf = pytest.importorskip("gguf")
 from llama_mini.formats.gguf import TENSOR_TYPES, export_gguf  # noqa: E402
 from fixtures import LLAMA2_TOKENIZER, require
+from llama2c_files import export_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -173,10 +175,9 @@ def test_what_llama_cpp_cannot_run_is_refused(tmp_path, tokenizer_path):
         export_gguf(small_model(norm="layernorm"), tmp_path / "a.gguf", tokenizer_path)
     with pytest.raises(ValueError, match="has 32000 tokens but the model has 1000"):
         export_gguf(small_model(vocab_size=1000), tmp_path / "b.gguf", tokenizer_path)
-    not_sp = tmp_path / "tokenizer.model"
-    not_sp.write_bytes(b"IQ== 0\n")  # a tiktoken ranks file, as Llama-3's tokenizer.model is
-    with pytest.raises(ValueError, match="not a SentencePiece model"):
-        export_gguf(small_model(), tmp_path / "c.gguf", not_sp)
+    llama2c = export_sentencepiece(tokenizer_path, tmp_path / "tokenizer.bin")  # the same vocabulary, as llama2.c flattens it
+    with pytest.raises(ValueError, match="is llama2.c's tokenizer.bin, which GGUF export does not write"):
+        export_gguf(small_model(), tmp_path / "c.gguf", llama2c)
     assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob(".*tmp*"))
 
 

@@ -12,7 +12,7 @@ import pytest
 from generate_cli_helpers import LLAMA3_TOKENIZER, write_llama3_tokenizer_json
 
 from llama_mini.tokenizers import open_tokenizer
-from llama_mini.tokenizers.tokenizer_json import HfTokenizerJson
+from llama_mini.tokenizers.tokenizer_json import LLAMA3_CHAT_TOKENS, HfTokenizerJson
 
 
 @pytest.fixture(scope="module")
@@ -78,4 +78,17 @@ def test_a_llama2_style_tokenizer_json_is_refused(tmp_path):
     (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": {}, "merges": []},
                                                          "pre_tokenizer": None, "normalizer": {"type": "Sequence"}}))
     with pytest.raises(ValueError, match="not the layout transformers writes for Llama-3"):
+        open_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_a_tokenizer_json_that_cannot_spell_every_byte_is_refused_in_one_line(files, tmp_path):
+    """Its BPE lacks one byte: tiktoken would panic (an exception past every handler) on text with it."""
+    byte_level = files[2]["pre_tokenizer"]
+    alphabet = [token for token in files[2]["model"]["vocab"] if len(token) == 1][:256]
+    kept = [token for token in alphabet if token != "z"]
+    config = {"model": {"type": "BPE", "vocab": {token: i for i, token in enumerate(kept)}, "merges": []},
+              "pre_tokenizer": byte_level, "normalizer": None,
+              "added_tokens": [{"content": name, "id": len(kept) + i} for i, name in enumerate(LLAMA3_CHAT_TOKENS)]}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="tokenizer.json is not a Llama-3 tokenizer.json .*not every single byte is a token"):
         open_tokenizer(tmp_path / "tokenizer.json")
