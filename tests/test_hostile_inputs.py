@@ -9,6 +9,7 @@ import os
 import pickle
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -265,6 +266,57 @@ def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tm
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --- python -m llama_mini.training.corpus ---------------------------------------------------
+
+
+def symlink_to_a_file(path):
+    path.with_name("target.txt").write_text("mine")
+    path.symlink_to(path.with_name("target.txt"))
+
+
+NOT_REGULAR_FILES = {
+    # name: (make it at path, what the message calls it, whether it is still there as it was)
+    "symlink": (symlink_to_a_file, "a symbolic link", lambda p: p.is_symlink() and p.read_text() == "mine"),
+    "dangling symlink": (lambda p: p.symlink_to(p.with_name("nowhere")), "a symbolic link", lambda p: p.is_symlink()),
+    "FIFO": (os.mkfifo, "a FIFO", lambda p: p.is_fifo()),
+    "folder": (lambda p: (p / "notes").mkdir(parents=True), "a folder", lambda p: (p / "notes").is_dir()),
+}
+
+
+@pytest.mark.parametrize("case", NOT_REGULAR_FILES)
+def test_corpus_replaces_nothing_but_a_regular_file(tmp_path, case):
+    make, kind, unchanged = NOT_REGULAR_FILES[case]
+    path = tmp_path / "out.txt"
+    make(path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run("llama_mini.training.corpus", path)
+    assert_refused(result, f"{path} is {kind}; only a regular file is replaced")
+    assert unchanged(path) and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_corpus_refuses_a_device_node(tmp_path):
+    """A device of its own, never the machine's: /dev/full itself was replaced by a 2.2 MB file."""
+    try:
+        os.mknod(tmp_path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs root")
+    assert_refused(run("llama_mini.training.corpus", tmp_path / "null"), f"{tmp_path / 'null'} is a device")
+    assert (tmp_path / "null").is_char_device()
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_corpus_help_prints_usage_and_writes_nothing(tmp_path, flag):
+    result = run("llama_mini.training.corpus", flag, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m llama_mini.training.corpus"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corpus_into_folders_that_do_not_exist_creates_them(tmp_path):
+    result = run("llama_mini.training.corpus", tmp_path / "new" / "deeper" / "stories.txt")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert (tmp_path / "new" / "deeper" / "stories.txt").stat().st_size > 2_000_000
 
 
 # --- train.py ------------------------------------------------------------------------------
