@@ -15,17 +15,13 @@ import sys
 import time
 from pathlib import Path
 
-from llama_mini.cli import flag, run_main
+from llama_mini.cli import check_context, check_number, flag, run_main
 from llama_mini.device import DTYPES, pick_device
 from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
 from llama_mini.kernels import use_fused_rmsnorm, use_matvec
 from llama_mini.quant import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
-
-# RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
-# is 131,072 tokens) is a typo, not a wish.
-MAX_CONTEXT = 1 << 24
 
 
 def parse_args(argv=None):
@@ -49,17 +45,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
-    try:
-        check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as e:  # the library names its arguments (top_p); here they are flags (--top-p)
-        name, rest = str(e).split(" ", 1)
-        raise ValueError(f"{flag(name)} {rest}") from None
-    for name in ("max_new_tokens", "num_samples", "max_seq_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{flag(name)} must be >= 1, got {value}")
-    if args.max_seq_len is not None and args.max_seq_len > MAX_CONTEXT:
-        raise ValueError(f"--max-seq-len must be at most {MAX_CONTEXT} tokens, got {args.max_seq_len}")
+    check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, name=flag)
+    check_number("--max-new-tokens", args.max_new_tokens, 1)
+    check_number("--num-samples", args.num_samples, 1)
+    check_context("--max-seq-len", args.max_seq_len)
     for name in ("prompt", "system"):
         if getattr(args, name) is not None:
             setattr(args, name, utf8_text(getattr(args, name), flag(name)))

@@ -7,27 +7,25 @@ whose prompt is longer keeps feeding its own prompt tokens until they run out (M
 input_text_mask), so all rows share one cache and none sees padding.
 """
 
-import math
 import numbers
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
+from .cli import check_number
 from .model import Transformer
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
-def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None) -> None:
-    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the message."""
-    if not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 or None keeps every token), got {top_k}")
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None,
+                        name=lambda argument: argument) -> None:
+    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the
+    message; name(argument) is what the message calls each (generate.py: its flags)."""
+    check_number(name("temperature"), temperature, 0, note=" (0 is greedy)")
+    check_number(name("top_p"), top_p, 0, 1, low_open=True, note=" (1 keeps every token)")
+    check_number(name("top_k"), top_k, 0, note=" (0 keeps every token)")
+    check_number(name("seed"), seed, 0, SEED_LIMIT, high_open=True)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -258,6 +258,26 @@ def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
     assert retry.returncode == 0, retry.stderr
 
 
+BAD_CONVERT_FLAGS = {
+    # name: (arguments after SRC DST, expected fragment of the error)
+    "max-shard-gb nan": (["--to", "hf", "--max-shard-gb", "nan"], "--max-shard-gb must be a finite number > 0, got nan"),
+    "max-shard-gb inf": (["--to", "hf", "--max-shard-gb", "inf"], "--max-shard-gb must be a finite number > 0, got inf"),
+    "max-seq-len 0": (["--to", "native", "--max-seq-len", 0], "--max-seq-len must be in [1, 16777216] tokens, got 0"),
+    "max-seq-len -5": (["--to", "hf", "--max-seq-len", -5], "--max-seq-len must be in [1, 16777216] tokens, got -5"),
+    "gguf max-seq-len -1": (["--to", "gguf", "--max-seq-len", -1], "--max-seq-len must be in [1, 16777216] tokens, got -1"),
+    "shards 0": (["--to", "meta", "--shards", 0], "--shards must be >= 1, got 0"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONVERT_FLAGS)
+def test_bad_convert_flag_is_refused_and_writes_nothing(files, tmp_path, case):
+    """Checked before anything is written: a checkpoint that no loader accepts is never made."""
+    extra, fragment = BAD_CONVERT_FLAGS[case]
+    dst = tmp_path / "new" / ("out.gguf" if "gguf" in extra else "out")
+    assert_refused(run("llama_mini.formats.convert", files / "native", dst, *extra), fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
@@ -335,9 +355,9 @@ def story_file(tmp_path_factory):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--max-steps", 0], "--max-steps must be a positive integer"),
-        (["--batch-size", -1], "--batch-size must be a positive integer"),
-        (["--seq-len", 0], "--seq-len must be a positive integer"),
+        (["--max-steps", 0], "--max-steps must be >= 1, got 0"),
+        (["--batch-size", -1], "--batch-size must be >= 1, got -1"),
+        (["--seq-len", 0], "--seq-len must be in [1, 16777216] tokens, got 0"),
         (["--data", "missing.txt"], "data not found: missing.txt"),
         (["--data", "empty.txt"], "holds no text"),
         (["--data", "latin1.txt"], "is not UTF-8 text"),

@@ -16,7 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..cli import run_main
+from ..cli import check_context, check_number, run_main
 from ..device import DTYPES
 from ..files import fsync_dir
 from ..quant import QUANTIZATIONS
@@ -82,14 +82,13 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one in SRC or its parent)")
     p.add_argument("--max-seq-len", type=int, help="context length to record (default: SRC's, or 4096)")
     args = p.parse_args(argv)
-    if args.shards < 1:
-        p.error(f"--shards must be >= 1, got {args.shards}")
+    check_number("--shards", args.shards, 1)
+    check_number("--max-shard-gb", args.max_shard_gb, 0, low_open=True)
+    check_context("--max-seq-len", args.max_seq_len)
     if args.shards > 1 and args.to != "meta":
-        p.error("--shards applies to --to meta only")
+        raise ValueError("--shards applies to --to meta only")
     if args.quantize and args.to != "native":
-        p.error("--quantize writes a native checkpoint (--to native); for llama.cpp use --to gguf --type q8_0 or q4_0")
-    if args.max_shard_gb <= 0:
-        p.error(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
+        raise ValueError("--quantize writes a native checkpoint (--to native); for llama.cpp use --to gguf --type q8_0 or q4_0")
     out = convert(args.src, args.dst, args.to, args.shards, DTYPES.get(args.dtype), args.tokenizer, args.max_seq_len,
                   max(1, int(args.max_shard_gb * 1e9)), args.quantize, args.type)
     print(f"wrote {args.to} {'file' if args.to == 'gguf' else 'checkpoint'} to {out}", file=sys.stderr)
