@@ -266,6 +266,10 @@ BAD_CONVERT_FLAGS = {
     "max-seq-len -5": (["--to", "hf", "--max-seq-len", -5], "--max-seq-len must be in [1, 16777216] tokens, got -5"),
     "gguf max-seq-len -1": (["--to", "gguf", "--max-seq-len", -1], "--max-seq-len must be in [1, 16777216] tokens, got -1"),
     "shards 0": (["--to", "meta", "--shards", 0], "--shards must be >= 1, got 0"),
+    "missing tokenizer": (["--to", "native", "--tokenizer", "/nonexistent"], "tokenizer not found: /nonexistent"),
+    "gguf missing tokenizer": (["--to", "gguf", "--tokenizer", "/nonexistent"], "tokenizer not found: /nonexistent"),
+    "tokenizer of another vocabulary": (["--to", "hf", "--tokenizer", "OTHER"], "has 350 tokens but the model's vocabulary has 300"),
+    "gguf tokenizer of another vocabulary": (["--to", "gguf", "--tokenizer", "OTHER"], "has 350 tokens but the model's vocabulary has 300"),
 }
 
 
@@ -273,9 +277,16 @@ BAD_CONVERT_FLAGS = {
 def test_bad_convert_flag_is_refused_and_writes_nothing(files, tmp_path, case):
     """Checked before anything is written: a checkpoint that no loader accepts is never made."""
     extra, fragment = BAD_CONVERT_FLAGS[case]
+    extra = [files / "other.model" if a == "OTHER" else a for a in extra]
     dst = tmp_path / "new" / ("out.gguf" if "gguf" in extra else "out")
     assert_refused(run("llama_mini.formats.convert", files / "native", dst, *extra), fragment)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_gguf_export_creates_missing_folders_as_the_other_formats_do(files, tmp_path):
+    result = run("llama_mini.formats.convert", files / "native", tmp_path / "new" / "deeper" / "m.gguf", "--to", "gguf")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "new" / "deeper").iterdir()] == ["m.gguf"]
 
 
 def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tmp_path):
