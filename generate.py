@@ -13,7 +13,6 @@ import argparse
 import itertools
 import sys
 import time
-from pathlib import Path
 
 from llama_mini.cli import check_context, check_number, flag, run_main
 from llama_mini.device import DTYPES, pick_device
@@ -22,6 +21,10 @@ from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stre
 from llama_mini.kernels import use_fused_rmsnorm, use_matvec
 from llama_mini.quant import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
+
+# Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
+# tokenizer's longest): a prompt file longer than this cannot fit any context.
+MAX_PROMPT_BYTES = 131072 * 128
 
 
 def parse_args(argv=None):
@@ -64,6 +67,17 @@ def utf8_text(raw, source: str) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8") from None
+
+
+def read_prompt_file(path) -> str:
+    """The text of the file at path, read only as far as a prompt can reach: no Llama context
+    holds more than MAX_PROMPT_BYTES, and a stream such as /dev/zero never ends."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_PROMPT_BYTES + 1)
+    if len(raw) > MAX_PROMPT_BYTES:
+        raise ValueError(f"--prompt-file {path} is longer than {MAX_PROMPT_BYTES // 2**20} MiB, more text than "
+                         "any Llama context holds; pass a shorter prompt")
+    return utf8_text(raw, path)
 
 
 def nth_seed(args, i: int):
@@ -120,7 +134,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     text = args.prompt
     if args.prompt_file is not None:  # read before the model: a bad file fails fast
-        text = utf8_text(Path(args.prompt_file).read_bytes(), args.prompt_file)
+        text = read_prompt_file(args.prompt_file)
     device = pick_device(args.device)
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)

@@ -232,6 +232,24 @@ def test_prompt_longer_than_the_context_is_refused(files):
     assert_refused(result, "but the context is 64 tokens")
 
 
+def address_space(gib):
+    """A cap on the child's memory: a read without bound fails within it, not on the machine."""
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+
+
+def test_endless_prompt_file_is_refused_after_a_bounded_read(files):
+    result = run("generate.py", "--ckpt", files / "native", "--prompt-file", "/dev/zero", preexec_fn=address_space(4))
+    assert_refused(result, "--prompt-file /dev/zero is longer than 16 MiB, more text than any Llama context holds")
+
+
+def test_a_temperature_too_small_for_float32_decodes_greedily(files):
+    """logits / 1e-40 overflow float32: the distribution such a temperature stands for is greedy's."""
+    common = ["--ckpt", files / "native", "--prompt", "Tom", "--max-new-tokens", 12, "--seed", 3]
+    tiny, greedy = run("generate.py", *common, "--temperature", "1e-40"), run("generate.py", *common, "--temperature", 0)
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout and len(tiny.stdout) > len("Tom\n")
+
+
 # --- python -m llama_mini.formats.convert ----------------------------------------------------------
 
 
