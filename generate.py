@@ -6,7 +6,8 @@
 Text is printed token by token as it is generated, until the tokenizer's stop ids (Llama-3
 ends a chat turn with <|eot_id|>) or --max-new-tokens. --chat reads one user turn per line
 from stdin and keeps the conversation, in the model family's chat format, as the context of
-the next.
+the next; once it outgrows the model's context, its oldest exchanges are left out (the system
+prompt stays), with a notice, as llama.cpp's context shift does.
 """
 
 import argparse
@@ -114,8 +115,12 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
 
 
 def chat(model, tokenizer, args) -> None:
-    """Multi-turn chat: the whole dialog so far is the prompt of each answer."""
-    dialog = [{"role": "system", "content": args.system}] if args.system else []
+    """Multi-turn chat: the whole dialog so far is the prompt of each answer, as much of it as
+    the context holds (see shift_context)."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns = []  # the user's and the model's messages, oldest first
+    context = model.args.max_seq_len
+    room = min(args.max_new_tokens, context // 2)  # the context kept free for each answer
     lines = (utf8_text(line.rstrip(b"\r\n"), f"line {n} of the chat input") for n, line in enumerate(sys.stdin.buffer, 1))
     for turn in itertools.count():
         print("> ", end="", flush=True)
@@ -125,9 +130,32 @@ def chat(model, tokenizer, args) -> None:
             return
         if not user.strip():
             continue
-        dialog.append({"role": "user", "content": user})
-        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, nth_seed(args, turn), continues_prompt=False)
-        dialog.append({"role": "assistant", "content": answer})
+        turns.append({"role": "user", "content": user})
+        prompt_ids, dropped = shift_context(tokenizer, system, turns, context, room)
+        if prompt_ids is None:
+            print(f"llama_mini: this message and the system prompt need more than the context of {context} "
+                  "tokens; it was not sent: say it in fewer words", file=sys.stderr)
+            turns.pop()
+            continue
+        if dropped:
+            print(f"llama_mini: the conversation outgrew the context of {context} tokens; its {dropped} oldest "
+                  f"messages are left out{' (the system prompt is kept)' if system else ''}", file=sys.stderr)
+            del turns[:dropped]
+        answer = complete(model, tokenizer, prompt_ids, args, nth_seed(args, turn), continues_prompt=False)
+        turns.append({"role": "assistant", "content": answer})
+
+
+def shift_context(tokenizer, system, turns, context: int, room: int):
+    """(prompt ids, how many of the oldest turns they leave out), as llama.cpp's context shift
+    keeps a conversation going: the oldest exchanges (a user turn and its answer) are dropped
+    until the prompt leaves room tokens of the context for the answer. The system prompt and
+    the newest turn are always kept; (None, 0) where those alone fill the context."""
+    for start in range(0, len(turns), 2):
+        prompt_ids = tokenizer.encode_dialog(system + turns[start:])
+        if len(prompt_ids) + room <= context:
+            return prompt_ids, start
+    # The newest turn alone leaves less room than asked: its answer gets what is left.
+    return (prompt_ids, len(turns) - 1) if len(prompt_ids) < context else (None, 0)
 
 
 def main(argv=None) -> None:

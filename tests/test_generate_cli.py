@@ -81,7 +81,8 @@ def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     prompts, answers = [], iter([[450, 1234], [3869]])  # ▁The ..., ▁Yes
     monkeypatch.setattr(cli, "generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
-    cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief."])
+    # The second prompt is 39 tokens: with 8 new ones it fits the 64-token context whole.
+    cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])
     tokenizer = open_tokenizer(ckpt / "tokenizer.model")
     first_answer = tokenizer.decode([450, 1234])
     assert prompts == [
