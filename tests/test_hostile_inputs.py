@@ -400,6 +400,18 @@ def test_bad_training_input_is_refused_before_any_work(tmp_path, args, fragment)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
+def test_vocab_size_below_the_texts_characters_names_the_smallest_that_trains(story_file, tmp_path):
+    common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 1, *TINY_TRAIN]
+    result = run("train.py", *common, "--vocab-size", 100, "--out", tmp_path / "run")
+    assert_refused(result, "cannot train a tokenizer with --vocab-size 100 on story: a token for each of its characters")
+    assert "character_coverage" not in result.stderr and not (tmp_path / "run").exists()
+    smallest = int(result.stderr.split("pass --vocab-size ")[1].split()[0])
+    retry = run("train.py", *common, "--vocab-size", smallest, "--out", tmp_path / "run")
+    assert retry.returncode == 0, retry.stderr
+    too_small = run("train.py", *common, "--vocab-size", smallest - 1, "--out", tmp_path / "run2")
+    assert_refused(too_small, f"pass --vocab-size {smallest} or more")
+
+
 def test_second_run_on_the_same_out_is_refused(story_file, tmp_path):
     with RunLock(tmp_path / "run"):  # a live run holds the folder
         result = run("train.py", "--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache",
