@@ -412,6 +412,22 @@ def test_vocab_size_below_the_texts_characters_names_the_smallest_that_trains(st
     assert_refused(too_small, f"pass --vocab-size {smallest} or more")
 
 
+def test_full_disk_before_the_first_checkpoint_says_to_run_again_not_to_resume(story_file, tmp_path):
+    """--resume would find nothing to resume: the same command, run again, starts the run."""
+    common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 2, "--save-every", 2, *TINY_TRAIN]
+    assert run("train.py", *common, "--out", tmp_path / "warm").returncode == 0  # the tokenizer and token caches
+
+    def small_disk():  # the run's small files fit, its weights do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+
+    result = run("train.py", *common, "--out", tmp_path / "run", preexec_fn=small_disk)
+    assert_refused(result, "no checkpoint was saved. Free some space and run the same command again")
+    assert "--resume" not in result.stderr.replace("there is no checkpoint to --resume", "")
+    again = run("train.py", *common, "--out", tmp_path / "run")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+
+
 def test_second_run_on_the_same_out_is_refused(story_file, tmp_path):
     with RunLock(tmp_path / "run"):  # a live run holds the folder
         result = run("train.py", "--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache",
