@@ -6,16 +6,16 @@
 Text is printed token by token as it is generated, until the tokenizer's stop ids (Llama-3
 ends a chat turn with <|eot_id|>) or --max-new-tokens. --chat reads one user turn per line
 from stdin and keeps the conversation, in the model family's chat format, as the context of
-the next.
+the next; once it outgrows the model's context, its oldest exchanges are left out (the system
+prompt stays), with a notice, as llama.cpp's context shift does.
 """
 
 import argparse
 import itertools
 import sys
 import time
-from pathlib import Path
 
-from llama_mini.cli import flag, run_main
+from llama_mini.cli import check_context, check_number, flag, run_main
 from llama_mini.device import DTYPES, pick_device
 from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
@@ -23,9 +23,9 @@ from llama_mini.kernels import use_fused_rmsnorm, use_matvec
 from llama_mini.quant import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
-# RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
-# is 131,072 tokens) is a typo, not a wish.
-MAX_CONTEXT = 1 << 24
+# Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
+# tokenizer's longest): a prompt file longer than this cannot fit any context.
+MAX_PROMPT_BYTES = 131072 * 128
 
 
 def parse_args(argv=None):
@@ -49,17 +49,10 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
-    try:
-        check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed)
-    except ValueError as e:  # the library names its arguments (top_p); here they are flags (--top-p)
-        name, rest = str(e).split(" ", 1)
-        raise ValueError(f"{flag(name)} {rest}") from None
-    for name in ("max_new_tokens", "num_samples", "max_seq_len"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ValueError(f"{flag(name)} must be >= 1, got {value}")
-    if args.max_seq_len is not None and args.max_seq_len > MAX_CONTEXT:
-        raise ValueError(f"--max-seq-len must be at most {MAX_CONTEXT} tokens, got {args.max_seq_len}")
+    check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, name=flag)
+    check_number("--max-new-tokens", args.max_new_tokens, 1)
+    check_number("--num-samples", args.num_samples, 1)
+    check_context("--max-seq-len", args.max_seq_len)
     for name in ("prompt", "system"):
         if getattr(args, name) is not None:
             setattr(args, name, utf8_text(getattr(args, name), flag(name)))
@@ -75,6 +68,17 @@ def utf8_text(raw, source: str) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8") from None
+
+
+def read_prompt_file(path) -> str:
+    """The text of the file at path, read only as far as a prompt can reach: no Llama context
+    holds more than MAX_PROMPT_BYTES, and a stream such as /dev/zero never ends."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_PROMPT_BYTES + 1)
+    if len(raw) > MAX_PROMPT_BYTES:
+        raise ValueError(f"--prompt-file {path} is longer than {MAX_PROMPT_BYTES // 2**20} MiB, more text than "
+                         "any Llama context holds; pass a shorter prompt")
+    return utf8_text(raw, path)
 
 
 def nth_seed(args, i: int):
@@ -111,8 +115,12 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
 
 
 def chat(model, tokenizer, args) -> None:
-    """Multi-turn chat: the whole dialog so far is the prompt of each answer."""
-    dialog = [{"role": "system", "content": args.system}] if args.system else []
+    """Multi-turn chat: the whole dialog so far is the prompt of each answer, as much of it as
+    the context holds (see shift_context)."""
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    turns = []  # the user's and the model's messages, oldest first
+    context = model.args.max_seq_len
+    room = min(args.max_new_tokens, context // 2)  # the context kept free for each answer
     lines = (utf8_text(line.rstrip(b"\r\n"), f"line {n} of the chat input") for n, line in enumerate(sys.stdin.buffer, 1))
     for turn in itertools.count():
         print("> ", end="", flush=True)
@@ -122,16 +130,39 @@ def chat(model, tokenizer, args) -> None:
             return
         if not user.strip():
             continue
-        dialog.append({"role": "user", "content": user})
-        answer = complete(model, tokenizer, tokenizer.encode_dialog(dialog), args, nth_seed(args, turn), continues_prompt=False)
-        dialog.append({"role": "assistant", "content": answer})
+        turns.append({"role": "user", "content": user})
+        prompt_ids, dropped = shift_context(tokenizer, system, turns, context, room)
+        if prompt_ids is None:
+            print(f"llama_mini: this message and the system prompt need more than the context of {context} "
+                  "tokens; it was not sent: say it in fewer words", file=sys.stderr)
+            turns.pop()
+            continue
+        if dropped:
+            print(f"llama_mini: the conversation outgrew the context of {context} tokens; its {dropped} oldest "
+                  f"messages are left out{' (the system prompt is kept)' if system else ''}", file=sys.stderr)
+            del turns[:dropped]
+        answer = complete(model, tokenizer, prompt_ids, args, nth_seed(args, turn), continues_prompt=False)
+        turns.append({"role": "assistant", "content": answer})
+
+
+def shift_context(tokenizer, system, turns, context: int, room: int):
+    """(prompt ids, how many of the oldest turns they leave out), as llama.cpp's context shift
+    keeps a conversation going: the oldest exchanges (a user turn and its answer) are dropped
+    until the prompt leaves room tokens of the context for the answer. The system prompt and
+    the newest turn are always kept; (None, 0) where those alone fill the context."""
+    for start in range(0, len(turns), 2):
+        prompt_ids = tokenizer.encode_dialog(system + turns[start:])
+        if len(prompt_ids) + room <= context:
+            return prompt_ids, start
+    # The newest turn alone leaves less room than asked: its answer gets what is left.
+    return (prompt_ids, len(turns) - 1) if len(prompt_ids) < context else (None, 0)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     text = args.prompt
     if args.prompt_file is not None:  # read before the model: a bad file fails fast
-        text = utf8_text(Path(args.prompt_file).read_bytes(), args.prompt_file)
+        text = read_prompt_file(args.prompt_file)
     device = pick_device(args.device)
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)

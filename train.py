@@ -78,8 +78,12 @@ def train(cfg: TrainConfig) -> Path:
     except KeyboardInterrupt:
         bar.close()
         if main:
-            latest = f"the latest checkpoint is {folder.latest}" if folder.latest else "no checkpoint was saved"
-            print(f"interrupted at step {trainer.step}; {latest}; continue with the same flags and --resume")
+            if folder.latest:
+                print(f"interrupted at step {trainer.step}; the latest checkpoint is {folder.latest}; "
+                      "continue with the same flags and --resume")
+            else:  # --resume would find nothing to resume
+                print(f"interrupted at step {trainer.step}, before the first checkpoint; run the same command "
+                      "again to start over (there is no checkpoint to --resume)")
         raise
     finally:
         bar.close()

@@ -1,11 +1,14 @@
 """Writing files so that a crash never leaves a torn one: the one atomic-write helper.
 
 Every file the package writes (weights, configs, tokenizers, training state, the `latest`
-pointer, token caches, compiled kernels) goes through atomic_write, so a kill at any moment
-leaves either the old file or the new one.
+pointer, token caches, compiled kernels, the corpus) goes through atomic_write, so a kill at any
+moment leaves either the old file or the new one, only a regular file is ever replaced (never
+a link, a folder, a FIFO or a device the user named), and an error names the user's path,
+never the temporary one.
 """
 
 import os
+import stat
 from pathlib import Path
 
 
@@ -16,14 +19,52 @@ def atomic_write(path, write) -> None:
     the old file or the new one, never a torn mix. The temporary file is removed on failure.
     """
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    check_replaceable(path)
+    tmp = temporary_name(path)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        raise naming(e, path) from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def temporary_name(path: Path) -> Path:
+    """Where atomic_write writes path before moving it into place: hidden, beside it, per process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse a path that exists as anything but a regular file: replacing a symlink, a FIFO or
+    a device node would destroy what the user keeps there (and as root, /dev/full itself)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    raise FileExistsError(f"{path} is {kind}; only a regular file is replaced: name a new file, or remove it first")
+
+
+def naming(error: OSError, path: Path) -> OSError:
+    """error, reworded to name path where it names path's temporary file: the user never
+    chose that name and cannot find it afterwards."""
+    tmp = str(temporary_name(path))
+    if tmp not in (error.filename, error.filename2) and tmp not in str(error):
+        return error
+    if isinstance(error, FileNotFoundError) and not path.parent.is_dir():
+        reason = f"the folder {path.parent} does not exist"
+    else:
+        reason = error.strerror or str(error).replace(tmp, str(path))
+    reworded = type(error)(f"cannot write {path}: {reason}")
+    reworded.errno = error.errno
+    return reworded
 
 
 def fsync_dir(path) -> None:

@@ -7,27 +7,25 @@ whose prompt is longer keeps feeding its own prompt tokens until they run out (M
 input_text_mask), so all rows share one cache and none sees padding.
 """
 
-import math
-import numbers
+import operator
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
+from .cli import check_number
 from .model import Transformer
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
-def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None) -> None:
-    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the message."""
-    if not 0 <= temperature < math.inf:
-        raise ValueError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1] (1 keeps every token), got {top_p}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0 (0 or None keeps every token), got {top_k}")
-    if seed is not None and not 0 <= seed < SEED_LIMIT:
-        raise ValueError(f"seed must be in [0, 2**64), got {seed}")
+def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None,
+                        name=lambda argument: argument) -> None:
+    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the
+    message; name(argument) is what the message calls each (generate.py: its flags)."""
+    check_number(name("temperature"), temperature, 0, note=" (0 is greedy)")
+    check_number(name("top_p"), top_p, 0, 1, low_open=True, note=" (1 keeps every token)")
+    check_number(name("top_k"), top_k, 0, note=" (0 keeps every token)")
+    check_number(name("seed"), seed, 0, SEED_LIMIT, high_open=True)
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -55,7 +53,12 @@ def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] 
     """Next token ids (B,) from last-position logits (B, vocab). temperature 0 is argmax."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(top_k_filter(logits.float() / temperature, top_k), dim=-1)
+    scaled = logits.float() / temperature
+    if not torch.isfinite(scaled).all():
+        # A temperature so close to 0 that logits / temperature overflow is greedy decoding: the
+        # distribution it stands for puts all its mass on the largest logit.
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(top_k_filter(scaled, top_k), dim=-1)
     probs = top_p_filter(probs, top_p)
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
@@ -73,8 +76,8 @@ def generate(
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
     prompt_tokens may have rows of different lengths; each row stops at its own EOS. eos_id
-    is one id or several (Llama-3 ends a text with <|end_of_text|> and a chat turn with
-    <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
+    is one id or several, as ints or a tensor (Llama-3 ends a text with <|end_of_text|> and a chat
+    turn with <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
     exactly max_new_tokens. Sampling draws from a private torch.Generator (seeded by seed,
     or randomly when seed is None), so the same seed gives the same text and the global RNG
     is left alone.
@@ -119,9 +122,23 @@ def generate_stream(
         generator.seed()
     else:
         generator.manual_seed(seed)
-    stop_ids = [] if eos_id is None else [eos_id] if isinstance(eos_id, numbers.Integral) else list(eos_id)
+    stop_ids = _stop_ids(eos_id)
     steps = _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator)
     return _dropping_cache(model, steps)
+
+
+def _stop_ids(eos_id) -> list[int]:
+    """eos_id as a list of ints: None (none), one id or several, as ints, numpy integers or tensors."""
+    if eos_id is None:
+        return []
+    try:
+        return [operator.index(eos_id)]  # an int, a numpy integer, a one-element integer tensor
+    except TypeError:
+        pass
+    try:
+        return [operator.index(i) for i in eos_id]
+    except TypeError:
+        raise ValueError(f"eos_id must be a token id, a list of ids or None, got {eos_id!r}") from None
 
 
 def _dropping_cache(model, steps):

@@ -140,8 +140,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             what, value = ("loss", loss) if not math.isfinite(loss) else ("gradient norm", norm)
             raise NonFiniteLoss(
-                f"{what} is {value} at step {self.step + 1}; stopped before updating the weights, and {self.last_good()}. "
-                "Lower --lr (or raise --warmup-steps) and --resume"
+                f"{what} is {value} at step {self.step + 1}; stopped before updating the weights, and {self.how_to_go_on()}"
             )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -159,9 +158,14 @@ class Trainer:
             f"{f' x {world} processes' if world > 1 else ''}; run folder {self.folder.path}{start}"
         )
 
-    def last_good(self) -> str:
+    def how_to_go_on(self) -> str:
+        """Where a run stopped for NaN can go on from, and how: --resume, or before the first
+        checkpoint a new start (--resume would find nothing to resume)."""
         latest = self.folder.latest
-        return f"the last good checkpoint is {latest}" if latest else "no checkpoint was saved yet"
+        if latest:
+            return f"the last good checkpoint is {latest}. Lower --lr (or raise --warmup-steps) and --resume"
+        return ("no checkpoint was saved yet. Lower --lr (or raise --warmup-steps) and start again "
+                "(there is no checkpoint to --resume)")
 
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -219,8 +223,7 @@ class Trainer:
             return
         bad = next((k for k, v in state["model"].items() if not torch.isfinite(v).all()), None)
         if bad:
-            raise NonFiniteLoss(f"the weights hold NaN or inf after step {self.step} ({bad}); not saved, and "
-                                f"{self.last_good()}. Lower --lr (or raise --warmup-steps) and --resume")
+            raise NonFiniteLoss(f"the weights hold NaN or inf after step {self.step} ({bad}); not saved, and {self.how_to_go_on()}")
         meta = {"config": dataclasses.asdict(self.cfg), "data_digest": self.corpus.digest}
         self.folder.save(self.step, self.args, state, meta, self.cfg.keep_checkpoints)
 

@@ -139,3 +139,50 @@ def test_turns_that_end_at_the_end_of_turn_token_print_without_it(turn_end_ckpt)
     assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
     assert result.stdout == "".join(f"> {answer}\n" for answer in answers) + "> \n"
     assert "<|eot_id|>" not in result.stdout
+
+
+def test_a_chat_that_outgrows_the_context_leaves_out_its_oldest_exchanges_and_goes_on(sensitive_ckpt):
+    """As llama.cpp's context shift: once the conversation and room for an answer (here
+    --max-new-tokens) no longer fit the context, the oldest exchanges are left out, one notice
+    each time, the system prompt kept; the user never has to start over."""
+    context, turns = 128, ["Hi there", "And then?", "Why?", "Tell me more.", "Go on", "Really?", "Thanks"]
+    tokenizer = tokenizer_of(sensitive_ckpt)
+    model, system, kept = load_checkpoint(sensitive_ckpt, max_seq_len=context), [{"role": "system", "content": SYSTEM}], []
+    answers, shifts = [], []
+    for turn, user in enumerate(turns):
+        kept.append({"role": "user", "content": user})
+        start = next(i for i in range(0, len(kept), 2) if len(tokenizer.encode_dialog(system + kept[i:])) + MAX_NEW <= context)
+        if start:
+            shifts.append(start)
+            kept = kept[start:]
+        new = generate(model, [tokenizer.encode_dialog(system + kept)], MAX_NEW, 0, eos_id=tokenizer.stop_ids)[0]
+        answers.append(tokenizer.decode(new))
+        kept.append({"role": "assistant", "content": answers[-1]})
+    assert shifts  # the conversation did outgrow the context
+
+    result = run("--ckpt", sensitive_ckpt, "--chat", "--system", SYSTEM, "--max-new-tokens", MAX_NEW, "--temperature", 0,
+                 "--max-seq-len", context, stdin="".join(user + "\n" for user in turns))
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    printed = "".join(f"> {answer}\n" for answer in answers) + "> \n"
+    assert result.stdout == printed.replace("\r\n", "\n").replace("\r", "\n")  # as run() reads text: universal newlines
+    notices = [line for line in result.stderr.splitlines() if "outgrew" in line]
+    assert notices == [f"llama_mini: the conversation outgrew the context of {context} tokens; its {n} oldest messages "
+                       "are left out (the system prompt is kept)" for n in shifts]
+
+
+def test_a_message_too_long_for_the_context_is_not_sent_and_the_chat_goes_on(sensitive_ckpt):
+    context, long = 64, "Tom had a red ball and gave it to Sue. " * 20
+    tokenizer = tokenizer_of(sensitive_ckpt)
+    dialog = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": long}]
+    assert len(tokenizer.encode_dialog(dialog)) >= context
+    model = load_checkpoint(sensitive_ckpt, max_seq_len=context)
+    prompt = tokenizer.encode_dialog([dialog[0], {"role": "user", "content": TURNS[0]}])
+    answer = tokenizer.decode(generate(model, [prompt], MAX_NEW, 0, eos_id=tokenizer.stop_ids)[0])
+
+    result = run("--ckpt", sensitive_ckpt, "--chat", "--system", SYSTEM, "--max-new-tokens", MAX_NEW, "--temperature", 0,
+                 "--max-seq-len", context, stdin=f"{long}\n{TURNS[0]}\n")
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == f"> > {answer}\n> \n".replace("\r\n", "\n").replace("\r", "\n")
+    assert [line for line in result.stderr.splitlines() if line.startswith("llama_mini:")] == [
+        f"llama_mini: this message and the system prompt need more than the context of {context} tokens; "
+        "it was not sent: say it in fewer words"]

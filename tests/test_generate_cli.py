@@ -81,7 +81,8 @@ def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     prompts, answers = [], iter([[450, 1234], [3869]])  # ▁The ..., ▁Yes
     monkeypatch.setattr(cli, "generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
-    cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief."])
+    # The second prompt is 39 tokens: with 8 new ones it fits the 64-token context whole.
+    cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])
     tokenizer = open_tokenizer(ckpt / "tokenizer.model")
     first_answer = tokenizer.decode([450, 1234])
     assert prompts == [
@@ -165,13 +166,13 @@ def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eo
 
 BAD_INPUT = {
     # name: (arguments after --ckpt, stdin, words the message must hold)
-    "temperature nan": (["--prompt", "Hi", "--temperature", "nan"], "", ["--temperature must be >= 0", "got nan"]),
-    "temperature inf": (["--prompt", "Hi", "--temperature", "inf"], "", ["--temperature must be >= 0", "got inf"]),
-    "top-p nan": (["--prompt", "Hi", "--top-p", "nan"], "", ["--top-p must be in (0, 1]"]),
+    "temperature nan": (["--prompt", "Hi", "--temperature", "nan"], "", ["--temperature must be a finite number >= 0", "got nan"]),
+    "temperature inf": (["--prompt", "Hi", "--temperature", "inf"], "", ["--temperature must be a finite number >= 0", "got inf"]),
+    "top-p nan": (["--prompt", "Hi", "--top-p", "nan"], "", ["--top-p must be a finite number in (0, 1]"]),
     "seed past 2**64": (["--prompt", "Hi", "--seed", 10**24], "", ["--seed must be in [0, 2**64)"]),
     "seed 1e24": (["--prompt", "Hi", "--seed", "1e24"], "", ["--seed", "invalid int value: '1e24'"]),
-    "max-seq-len absurd": (["--prompt", "Hi", "--max-seq-len", 10**10], "", ["--max-seq-len must be at most"]),
-    "max-seq-len negative": (["--prompt", "Hi", "--max-seq-len", -4], "", ["--max-seq-len must be >= 1"]),
+    "max-seq-len absurd": (["--prompt", "Hi", "--max-seq-len", 10**10], "", ["--max-seq-len must be in [1, 16777216] tokens", "got 10000000000"]),
+    "max-seq-len negative": (["--prompt", "Hi", "--max-seq-len", -4], "", ["--max-seq-len must be in [1, 16777216] tokens", "got -4"]),
     "device meta": (["--prompt", "Hi", "--device", "meta"], "", ["unknown device 'meta'", "use cpu, cuda"]),
     "device xla": (["--prompt", "Hi", "--device", "xla"], "", ["unknown device 'xla'", "use cpu, cuda"]),
     "prompt not UTF-8": (["--prompt", b"caf\xe9"], "", ["--prompt is not UTF-8 text (byte 0xe9 at offset 3)"]),

@@ -123,6 +123,30 @@ def test_several_stop_ids_stop_a_row_at_the_first_of_them():
     assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=(later,)) == [free[:6]]
 
 
+def test_stop_ids_given_as_tensors_or_numpy_integers_stop_as_ints_do():
+    """The ids a user holds: tokenizer output as a tensor, an id read from a numpy array."""
+    import numpy as np
+
+    model = tiny_model()
+    free = generate(model, [[1, 5, 9]], 20, temperature=0)[0]
+    later, earlier = free[6], free[2]
+    assert earlier not in free[:2] and later not in free[:6]
+    assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=torch.tensor(later)) == [free[:6]]
+    assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=np.int64(later)) == [free[:6]]
+    assert generate(model, [[1, 5, 9]], 20, temperature=0, eos_id=torch.tensor([later, earlier])) == [free[:2]]
+    with pytest.raises(ValueError, match="eos_id must be a token id, a list of ids or None, got tensor\\(2.5000\\)"):
+        generate(model, [[1, 5, 9]], 20, eos_id=torch.tensor(2.5))
+
+
+def test_a_temperature_too_small_for_the_logits_samples_their_argmax():
+    """logits / 1e-40 overflow float32; such a temperature stands for a distribution with all
+    its mass on the largest logit, which is what sampling must then draw."""
+    logits = torch.tensor([[1.0, 5.0, 3.0], [2.0, -1.0, 0.5]])
+    assert not torch.isfinite(logits / 1e-40).all()
+    for seed in range(5):
+        assert sample(logits, 1e-40, generator=torch.Generator().manual_seed(seed)).tolist() == [1, 0]
+
+
 def test_the_largest_seed_is_accepted():
     out = generate(tiny_model(), [[1, 2]], 3, temperature=1.0, seed=2**64 - 1)
     assert len(out[0]) == 3

@@ -9,6 +9,7 @@ import os
 import pickle
 import resource
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -266,6 +267,24 @@ def test_prompt_longer_than_the_context_is_refused(files):
     assert_refused(result, "but the context is 64 tokens")
 
 
+def address_space(gib):
+    """A cap on the child's memory: a read without bound fails within it, not on the machine."""
+    return lambda: resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+
+
+def test_endless_prompt_file_is_refused_after_a_bounded_read(files):
+    result = run("generate.py", "--ckpt", files / "native", "--prompt-file", "/dev/zero", preexec_fn=address_space(4))
+    assert_refused(result, "--prompt-file /dev/zero is longer than 16 MiB, more text than any Llama context holds")
+
+
+def test_a_temperature_too_small_for_float32_decodes_greedily(files):
+    """logits / 1e-40 overflow float32: the distribution such a temperature stands for is greedy's."""
+    common = ["--ckpt", files / "native", "--prompt", "Tom", "--max-new-tokens", 12, "--seed", 3]
+    tiny, greedy = run("generate.py", *common, "--temperature", "1e-40"), run("generate.py", *common, "--temperature", 0)
+    assert tiny.returncode == 0 and "Traceback" not in tiny.stderr, tiny.stderr
+    assert tiny.stdout == greedy.stdout and len(tiny.stdout) > len("Tom\n")
+
+
 # --- python -m llama_mini.formats.convert ----------------------------------------------------------
 
 
@@ -292,6 +311,37 @@ def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
     assert retry.returncode == 0, retry.stderr
 
 
+BAD_CONVERT_FLAGS = {
+    # name: (arguments after SRC DST, expected fragment of the error)
+    "max-shard-gb nan": (["--to", "hf", "--max-shard-gb", "nan"], "--max-shard-gb must be a finite number > 0, got nan"),
+    "max-shard-gb inf": (["--to", "hf", "--max-shard-gb", "inf"], "--max-shard-gb must be a finite number > 0, got inf"),
+    "max-seq-len 0": (["--to", "native", "--max-seq-len", 0], "--max-seq-len must be in [1, 16777216] tokens, got 0"),
+    "max-seq-len -5": (["--to", "hf", "--max-seq-len", -5], "--max-seq-len must be in [1, 16777216] tokens, got -5"),
+    "gguf max-seq-len -1": (["--to", "gguf", "--max-seq-len", -1], "--max-seq-len must be in [1, 16777216] tokens, got -1"),
+    "shards 0": (["--to", "meta", "--shards", 0], "--shards must be >= 1, got 0"),
+    "missing tokenizer": (["--to", "native", "--tokenizer", "/nonexistent"], "tokenizer not found: /nonexistent"),
+    "gguf missing tokenizer": (["--to", "gguf", "--tokenizer", "/nonexistent"], "tokenizer not found: /nonexistent"),
+    "tokenizer of another vocabulary": (["--to", "hf", "--tokenizer", "OTHER"], "has 350 tokens but the model's vocabulary has 300"),
+    "gguf tokenizer of another vocabulary": (["--to", "gguf", "--tokenizer", "OTHER"], "has 350 tokens but the model's vocabulary has 300"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONVERT_FLAGS)
+def test_bad_convert_flag_is_refused_and_writes_nothing(files, tmp_path, case):
+    """Checked before anything is written: a checkpoint that no loader accepts is never made."""
+    extra, fragment = BAD_CONVERT_FLAGS[case]
+    extra = [files / "other.model" if a == "OTHER" else a for a in extra]
+    dst = tmp_path / "new" / ("out.gguf" if "gguf" in extra else "out")
+    assert_refused(run("llama_mini.formats.convert", files / "native", dst, *extra), fragment)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_gguf_export_creates_missing_folders_as_the_other_formats_do(files, tmp_path):
+    result = run("llama_mini.formats.convert", files / "native", tmp_path / "new" / "deeper" / "m.gguf", "--to", "gguf")
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in (tmp_path / "new" / "deeper").iterdir()] == ["m.gguf"]
+
+
 def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
@@ -300,6 +350,57 @@ def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tm
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+# --- python -m llama_mini.training.corpus ---------------------------------------------------
+
+
+def symlink_to_a_file(path):
+    path.with_name("target.txt").write_text("mine")
+    path.symlink_to(path.with_name("target.txt"))
+
+
+NOT_REGULAR_FILES = {
+    # name: (make it at path, what the message calls it, whether it is still there as it was)
+    "symlink": (symlink_to_a_file, "a symbolic link", lambda p: p.is_symlink() and p.read_text() == "mine"),
+    "dangling symlink": (lambda p: p.symlink_to(p.with_name("nowhere")), "a symbolic link", lambda p: p.is_symlink()),
+    "FIFO": (os.mkfifo, "a FIFO", lambda p: p.is_fifo()),
+    "folder": (lambda p: (p / "notes").mkdir(parents=True), "a folder", lambda p: (p / "notes").is_dir()),
+}
+
+
+@pytest.mark.parametrize("case", NOT_REGULAR_FILES)
+def test_corpus_replaces_nothing_but_a_regular_file(tmp_path, case):
+    make, kind, unchanged = NOT_REGULAR_FILES[case]
+    path = tmp_path / "out.txt"
+    make(path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    result = run("llama_mini.training.corpus", path)
+    assert_refused(result, f"{path} is {kind}; only a regular file is replaced")
+    assert unchanged(path) and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_corpus_refuses_a_device_node(tmp_path):
+    """A device of its own, never the machine's: /dev/full itself was replaced by a 2.2 MB file."""
+    try:
+        os.mknod(tmp_path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
+    except PermissionError:
+        pytest.skip("creating a device node needs root")
+    assert_refused(run("llama_mini.training.corpus", tmp_path / "null"), f"{tmp_path / 'null'} is a device")
+    assert (tmp_path / "null").is_char_device()
+
+
+@pytest.mark.parametrize("flag", ["-h", "--help"])
+def test_corpus_help_prints_usage_and_writes_nothing(tmp_path, flag):
+    result = run("llama_mini.training.corpus", flag, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m llama_mini.training.corpus"), result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_corpus_into_folders_that_do_not_exist_creates_them(tmp_path):
+    result = run("llama_mini.training.corpus", tmp_path / "new" / "deeper" / "stories.txt")
+    assert result.returncode == 0 and result.stderr == "", result.stderr
+    assert (tmp_path / "new" / "deeper" / "stories.txt").stat().st_size > 2_000_000
 
 
 # --- train.py ------------------------------------------------------------------------------
@@ -318,9 +419,9 @@ def story_file(tmp_path_factory):
 @pytest.mark.parametrize(
     "args, fragment",
     [
-        (["--max-steps", 0], "--max-steps must be a positive integer"),
-        (["--batch-size", -1], "--batch-size must be a positive integer"),
-        (["--seq-len", 0], "--seq-len must be a positive integer"),
+        (["--max-steps", 0], "--max-steps must be >= 1, got 0"),
+        (["--batch-size", -1], "--batch-size must be >= 1, got -1"),
+        (["--seq-len", 0], "--seq-len must be in [1, 16777216] tokens, got 0"),
         (["--data", "missing.txt"], "data not found: missing.txt"),
         (["--data", "empty.txt"], "holds no text"),
         (["--data", "latin1.txt"], "is not UTF-8 text"),
@@ -332,6 +433,34 @@ def test_bad_training_input_is_refused_before_any_work(tmp_path, args, fragment)
     result = run("train.py", *args, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache", cwd=tmp_path)
     assert_refused(result, fragment)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_vocab_size_below_the_texts_characters_names_the_smallest_that_trains(story_file, tmp_path):
+    common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 1, *TINY_TRAIN]
+    result = run("train.py", *common, "--vocab-size", 100, "--out", tmp_path / "run")
+    assert_refused(result, "cannot train a tokenizer with --vocab-size 100 on story: a token for each of its characters")
+    assert "character_coverage" not in result.stderr and not (tmp_path / "run").exists()
+    smallest = int(result.stderr.split("pass --vocab-size ")[1].split()[0])
+    retry = run("train.py", *common, "--vocab-size", smallest, "--out", tmp_path / "run")
+    assert retry.returncode == 0, retry.stderr
+    too_small = run("train.py", *common, "--vocab-size", smallest - 1, "--out", tmp_path / "run2")
+    assert_refused(too_small, f"pass --vocab-size {smallest} or more")
+
+
+def test_full_disk_before_the_first_checkpoint_says_to_run_again_not_to_resume(story_file, tmp_path):
+    """--resume would find nothing to resume: the same command, run again, starts the run."""
+    common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 2, "--save-every", 2, *TINY_TRAIN]
+    assert run("train.py", *common, "--out", tmp_path / "warm").returncode == 0  # the tokenizer and token caches
+
+    def small_disk():  # the run's small files fit, its weights do not
+        resource.setrlimit(resource.RLIMIT_FSIZE, (32 << 10, 32 << 10))
+
+    result = run("train.py", *common, "--out", tmp_path / "run", preexec_fn=small_disk)
+    assert_refused(result, "no checkpoint was saved. Free some space and run the same command again")
+    assert "--resume" not in result.stderr.replace("there is no checkpoint to --resume", "")
+    again = run("train.py", *common, "--out", tmp_path / "run")
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
 
 
 def test_second_run_on_the_same_out_is_refused(story_file, tmp_path):

@@ -18,11 +18,12 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..cli import run_main
+from ..cli import check_context, check_number, run_main
 from ..device import DTYPES
 from ..files import fsync_dir
 from ..quant import QUANTIZATIONS
-from .checkpoint import FORMATS, check_writable, find_tokenizer, load_checkpoint, save_checkpoint
+from ..tokenizers import check_vocab_size, open_tokenizer
+from .checkpoint import FORMATS, check_writable, checkpoint_tokenizer, find_tokenizer, load_checkpoint, save_checkpoint
 from .hf import MAX_SHARD_BYTES
 
 GGUF_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")  # gguf.py's, without importing the gguf package
@@ -33,17 +34,22 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
     """Load src (any format) and write it to the new folder dst in format `to` (or, for "gguf",
     the new file dst), its linear layers quantized to int8 or int4 when asked (native only).
 
-    dst must not exist or be an empty folder. The checkpoint is written into a hidden sibling
-    folder and renamed to dst only once complete, so a refusal, a full disk or a kill never
-    leaves a partial dst that would block the next try.
+    dst must not exist or be an empty folder; missing folders above it are created. The
+    checkpoint is written into a hidden sibling folder and renamed to dst only once complete,
+    so a refusal, a full disk or a kill never leaves a partial dst that would block the next
+    try. The tokenizer copied along is tokenizer_path, which must have the model's vocabulary
+    (as generate.py demands of it), else the one found with src.
     """
     dst = Path(dst)
     if to == "gguf":
         return convert_to_gguf(src, dst, gguf_type, dtype, tokenizer_path, max_seq_len)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise ValueError(f"{dst} already exists and is not an empty folder; choose a new destination")
+    given = open_tokenizer(tokenizer_path) if tokenizer_path is not None else None  # a bad --tokenizer fails first
     tokenizer_path = tokenizer_path or find_tokenizer(src)
     model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path, quantize=quantize)
+    if given is not None:
+        check_vocab_size(given, model.args.vocab_size, src)
     check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing
     target = dst.resolve()  # an empty folder, or a link to one, is replaced where it really is
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -60,15 +66,17 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
 
 def convert_to_gguf(src, dst: Path, gguf_type: str, dtype=None, tokenizer_path=None, max_seq_len=None) -> Path:
     """src (any format) -> the new GGUF file dst, for llama.cpp (see gguf.py)."""
-    if dst.exists():
+    if dst.exists() or dst.is_symlink():
         raise ValueError(f"{dst} already exists; choose a new file name for the GGUF export")
     try:
         from .gguf import export_gguf
     except ModuleNotFoundError as e:
         raise ValueError(f"GGUF export needs the {e.name} package (llama.cpp's writer): pip install gguf") from None
-    tokenizer_path = tokenizer_path or find_tokenizer(src)
-    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path)
-    return export_gguf(model, dst, tokenizer_path, gguf_type)
+    tokenizer = open_tokenizer(checkpoint_tokenizer(src, tokenizer_path))  # llama.cpp reads the vocabulary from it
+    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer.model_path)
+    check_vocab_size(tokenizer, model.args.vocab_size, src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    return export_gguf(model, dst, tokenizer.model_path, gguf_type)
 
 
 def main(argv=None) -> None:
@@ -84,14 +92,13 @@ def main(argv=None) -> None:
     p.add_argument("--tokenizer", help="tokenizer.model (default: the one in SRC or its parent)")
     p.add_argument("--max-seq-len", type=int, help="context length to record (default: SRC's, or 4096)")
     args = p.parse_args(argv)
-    if args.shards < 1:
-        p.error(f"--shards must be >= 1, got {args.shards}")
+    check_number("--shards", args.shards, 1)
+    check_number("--max-shard-gb", args.max_shard_gb, 0, low_open=True)
+    check_context("--max-seq-len", args.max_seq_len)
     if args.shards > 1 and args.to != "meta":
-        p.error("--shards applies to --to meta only")
+        raise ValueError("--shards applies to --to meta only")
     if args.quantize and args.to != "native":
-        p.error("--quantize writes a native checkpoint (--to native); for llama.cpp use --to gguf --type q8_0 or q4_0")
-    if args.max_shard_gb <= 0:
-        p.error(f"--max-shard-gb must be > 0, got {args.max_shard_gb}")
+        raise ValueError("--quantize writes a native checkpoint (--to native); for llama.cpp use --to gguf --type q8_0 or q4_0")
     out = convert(args.src, args.dst, args.to, args.shards, DTYPES.get(args.dtype), args.tokenizer, args.max_seq_len,
                   max(1, int(args.max_shard_gb * 1e9)), args.quantize, args.type)
     print(f"wrote {args.to} {'file' if args.to == 'gguf' else 'checkpoint'} to {out}", file=sys.stderr)

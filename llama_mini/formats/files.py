@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..files import atomic_write
+from ..files import atomic_write, temporary_name
 from .config_check import brief
 
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
@@ -161,8 +161,20 @@ def _first_line(error: Exception) -> str:
 def write_file(file: Path, write) -> None:
     """atomic_write, with a failed write reported as the OSError it is: torch's zip writer
     raises RuntimeError and safetensors SafetensorError where Python raises OSError (a full
-    disk, a file-size limit)."""
+    disk, a file-size limit).
+
+    Every file of a checkpoint gets the mode a new file gets here (0644 under the usual umask):
+    safetensors writes a private temporary file (0600) and renames it into place, which would
+    leave the weights alone unreadable to the others on a shared machine."""
+
+    def write_with_usual_mode(tmp: Path) -> None:
+        tmp.touch()  # created as open() creates files: mode 0666 less the umask
+        mode = tmp.stat().st_mode
+        write(tmp)
+        os.chmod(tmp, mode)
+
     try:
-        atomic_write(file, write)
+        atomic_write(file, write_with_usual_mode)
     except (RuntimeError, SafetensorError) as e:
-        raise OSError(f"cannot write {file} ({_first_line(e)}); is the disk full?") from None
+        reason = _first_line(e).replace(str(temporary_name(file)), str(file))
+        raise OSError(f"cannot write {file} ({reason}); is the disk full?") from None

@@ -4,14 +4,26 @@ The sources in csrc/ are compiled, once per machine, into one library with the s
 libraries inside torch's wheel (no ninja, no Python headers), into ~/.cache/llama_mini
 ($LLAMA_MINI_CACHE to move it), under a name that hashes everything the binary depends on,
 and loaded into torch.ops.llama_mini once per process.
+
+A binary is trusted only once it has loaded: a new build is loaded in a child process first
+(loading a damaged library can kill the process that loads it, with no error to catch), and
+only then are its size and hash written beside it, in <name>.json. A binary that does not
+match its record is loaded in a child again, and rebuilt once, with one notice, if it fails.
+A failed build is written in the record too: it is not tried again on this machine until the
+compiler, torch or the sources change (a new name), or the record is deleted. A compiler killed
+by a signal (out of memory, say) is tried again by the next process.
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
 import warnings
@@ -30,6 +42,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     # gcc's default of 256-bit vectors leaves half of an AVX-512 register idle in these loops.
     CXX_FLAGS.append("-mprefer-vector-width=512")
 BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (up to a minute)"
+REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} do not load; compiling them again (up to a minute)"
 
 
 def cache_dir() -> Path:
@@ -96,42 +109,138 @@ def library_path() -> Path:
     return cache_dir() / f"{LIBRARY}-{_build_key(_compiler())}.so"
 
 
-@functools.cache
 def load() -> None:
     """Build (once per machine) and load (once per process) the operators into torch.ops.llama_mini.
 
     Loaded after torch, so the kernels' OpenMP calls bind to the libgomp torch already holds
     and all share one thread pool. An operator's name can be registered with torch only once,
-    hence once per process; a failure raises and is not remembered.
+    hence once per process; a failure raises RuntimeError and is remembered for the process,
+    so a build is tried once however many kernels ask for it.
     """
-    torch.ops.load_library(str(build()))
+    reason = _load_once()
+    if reason is not None:
+        raise RuntimeError(reason)
+
+
+@functools.cache
+def _load_once():
+    """None once the library is loaded, else the first line of why not."""
+    try:
+        torch.ops.load_library(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return (str(e).splitlines() or [type(e).__name__])[0]
+    return None
 
 
 def build(force: bool = False) -> Path:
     """Compile the CPU operators unless a binary for these sources, compiler, torch and CPU
-    is cached; return the shared library's path.
+    is cached and loads; return the shared library's path.
 
-    Says so on one line of stderr before compiling; loading from the cache is silent. The
-    binary is written through atomic_write, so concurrent processes (DDP ranks, test
-    workers) never load a half-written file. Raises RuntimeError naming the problem when
-    compilation fails.
+    Says so on one line of stderr before compiling; loading from the cache is silent. One
+    process builds while the others wait for it (a lock beside the binary), and the binary
+    is written through atomic_write, so no process loads a half-written file. Raises
+    RuntimeError naming the problem when compilation fails, now or in an earlier try on this
+    machine (force=True compiles regardless).
     """
     cxx, lib = _compiler(), library_path()
-    if lib.is_file() and not force:
+    if not force and _trusted(lib):
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
-    _remove_killed_builds(lib.parent)
-    print(BUILD_NOTICE, file=sys.stderr, flush=True)
-    atomic_write(lib, lambda tmp: _compile(cxx, tmp))
+    with _locked(lib.with_suffix(".lock")):
+        if not force and _trusted(lib):  # built by another process while this one waited
+            return lib
+        record = _read_record(lib)
+        if not force and record.get("failed") and record.get("compiler") == cxx:
+            raise RuntimeError(f"{record['failed']}; remembered from an earlier build: delete {_record_path(lib)} to try again")
+        notice = BUILD_NOTICE
+        if not force and lib.is_file():  # unrecorded (an older llama_mini's build), replaced or damaged
+            if _load_in_child(lib) is None:
+                _write_record(lib, _built_record(lib))
+                return lib
+            notice = REBUILD_NOTICE.format(lib)
+        print(notice, file=sys.stderr, flush=True)
+        _remove_killed_builds(lib.parent)
+        try:
+            atomic_write(lib, lambda tmp: _compile(cxx, tmp))
+        except RuntimeError as e:
+            _write_record(lib, {"failed": (str(e).splitlines() or ["?"])[0], "compiler": cxx})
+            raise
+        _write_record(lib, _built_record(lib))
     return lib
 
 
 def _compile(cxx: str, out: Path) -> None:
+    """Compile the sources into out, and load it in a child process: the binary is trusted only then."""
     command = [cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", str(out), *_torch_flags()]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode < 0:  # killed (out of memory, say): not the build's fault, so not remembered
+        raise subprocess.SubprocessError(f"{Path(cxx).name} {_exit_status(result.returncode)} while compiling the CPU kernels")
     if result.returncode != 0:
-        errors = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines() or ["?"]
-        raise RuntimeError(f"{Path(cxx).name} failed on {', '.join(p.name for p in SOURCES)}: {errors[0]}")
+        lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+        why = lines[0] if lines else f"it {_exit_status(result.returncode)} and printed nothing"
+        raise RuntimeError(f"{Path(cxx).name} failed on {', '.join(p.name for p in SOURCES)}: {why}")
+    reason = _load_in_child(out)
+    if reason is not None:
+        raise RuntimeError(f"the CPU kernels {Path(cxx).name} built do not load: {reason}")
+
+
+def _load_in_child(lib: Path):
+    """None if lib loads into torch in a new process, else why not (a damaged library can kill
+    the process that loads it: this one must not be that process)."""
+    code = "import sys, torch; torch.ops.load_library(sys.argv[1])"
+    result = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=600)
+    if result.returncode == 0:
+        return None
+    lines = result.stderr.strip().splitlines()
+    return lines[-1] if lines else f"loading it {_exit_status(result.returncode)}"
+
+
+def _exit_status(code: int) -> str:
+    if code >= 0:
+        return f"exited with code {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
+def _record_path(lib: Path) -> Path:
+    return lib.with_suffix(".json")
+
+
+def _built_record(lib: Path) -> dict:
+    return {"size": lib.stat().st_size, "sha256": hashlib.sha256(lib.read_bytes()).hexdigest()}
+
+
+def _read_record(lib: Path) -> dict:
+    """What the last build of lib left beside it: its size and hash, or why it failed ({} if nothing)."""
+    try:
+        record = json.loads(_record_path(lib).read_text())
+    except (OSError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _write_record(lib: Path, record: dict) -> None:
+    atomic_write(_record_path(lib), lambda tmp: tmp.write_text(json.dumps(record) + "\n"))
+
+
+def _trusted(lib: Path) -> bool:
+    """Whether lib is the very file a build loaded and recorded (a hash of half a megabyte)."""
+    record = _read_record(lib)
+    try:
+        return "sha256" in record and record == _built_record(lib)
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on path: one process builds, the others wait, then find its binary.
+    The kernel drops the lock when its holder exits, however it exits."""
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
 
 
 def _remove_killed_builds(folder: Path) -> None:

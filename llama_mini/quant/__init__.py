@@ -39,6 +39,18 @@ def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE
     return model
 
 
+def dequantize(model: nn.Module) -> nn.Module:
+    """The inverse of quantize: each quantized layer becomes an nn.Linear holding its dequantized
+    weight, in the dtype of its scales, in place; returns model. The weights are the quantized
+    ones, not the full-precision weights they came from."""
+    for parent, name, layer in _linears(model, (Int8Linear, Int4Linear)):
+        linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        linear.weight = nn.Parameter(layer.dequantize())
+        setattr(parent, name, linear)
+    model.quantization = None
+    return model
+
+
 def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
     """model (built on the meta device, for load_state_dict(assign=True)) with quantized layers
     of the right shapes in place of its linear layers: the full-precision weights never exist."""
@@ -52,10 +64,10 @@ def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
     return model
 
 
-def _linears(model: nn.Module):
-    """(parent, attribute name, layer) of every nn.Linear in model, listed before any is replaced."""
+def _linears(model: nn.Module, kind=nn.Linear):
+    """(parent, attribute name, layer) of every layer of that kind in model, listed before any is replaced."""
     return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if isinstance(child, nn.Linear)]
+            if isinstance(child, kind)]
 
 
 def upgrade_int8_layout(state: dict, expected: dict) -> None:

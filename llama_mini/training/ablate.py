@@ -33,7 +33,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ..cli import run_main
+from ..cli import check_number, run_main
 from ..files import atomic_write
 from ..model import NORMS
 from ..trainer import NonFiniteLoss, Trainer
@@ -268,8 +268,8 @@ def ablate_from_flags(argv=None) -> None:
         raise ValueError(f"unknown norm {unknown[0]!r} in --norms; choose from {', '.join(NORMS)}" if unknown else "--norms is empty; e.g. --norms rmsnorm,layernorm")
     if len(set(norms)) != len(norms):
         raise ValueError(f"--norms names a norm twice: {','.join(norms)}")
-    if seeds < 1:
-        raise ValueError(f"--seeds must be a positive integer, got {seeds}")
+    check_number("--seeds", seeds, 1)
+    check_number("--target-loss", target, 0, low_open=True)
     ablate(norms, seeds, TrainConfig(**args), out, target)
 
 

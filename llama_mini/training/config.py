@@ -7,13 +7,12 @@ and the type cannot drift apart.
 
 import argparse
 import dataclasses
-import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..cli import flag
+from ..cli import check_context, check_number, flag
 from ..device import DTYPES
 from ..model import NORMS, ModelArgs
 from .data import corpus_name
@@ -78,28 +77,21 @@ class TrainConfig:
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                raise ValueError(f"{flag(f.name)} must be a finite number, got {value}")
         if not (self.resume or self.init_from):  # a run from scratch: the shape is ours to choose
             for f in dataclasses.fields(self):
                 if "scratch" in f.metadata and getattr(self, f.name) is None:
                     setattr(self, f.name, f.metadata["scratch"])
-        positive = ("max_steps", "batch_size", "seq_len", "grad_accum", "dim", "n_layers", "n_heads", "n_kv_heads",
-                    "vocab_size", "save_every", "eval_every", "eval_iters", "keep_checkpoints")
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ValueError(f"{flag(name)} must be a positive integer, got {getattr(self, name)}")
+        for name in ("max_steps", "batch_size", "grad_accum", "dim", "n_layers", "n_heads", "n_kv_heads",
+                     "vocab_size", "save_every", "eval_every", "eval_iters", "keep_checkpoints"):
+            check_number(flag(name), getattr(self, name), 1)
+        check_context("--seq-len", self.seq_len)
         for name in ("warmup_steps", "weight_decay", "grad_clip", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{flag(name)} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0 or (self.min_lr is not None and not 0 <= self.min_lr <= self.lr):
-            raise ValueError(f"need 0 < --lr and 0 <= --min-lr <= --lr, got lr {self.lr}, min_lr {self.min_lr}")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"--val-fraction must be between 0 and 1, got {self.val_fraction}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"--seed must be between 0 and 2**63 - 1, got {self.seed}")
+            check_number(flag(name), getattr(self, name), 0)
+        check_number("--lr", self.lr, 0, low_open=True)
+        check_number("--min-lr", self.min_lr, 0, self.lr, note=" (at most --lr)")
+        check_number("--val-fraction", self.val_fraction, 0, 1, low_open=True, high_open=True)
+        check_number("--seed", self.seed, 0, 2**63, high_open=True)
+        check_number("--norm-p", self.norm_p, 0, 1, low_open=True)
         if self.run_name is not None and (Path(self.run_name).name != self.run_name or self.run_name in ("", "..")):
             raise ValueError(f"--run-name {self.run_name!r} must be a plain folder name under checkpoints/; "
                              "to write elsewhere, pass --out DIR")

@@ -25,9 +25,10 @@ casts the characters and plays the steps. A story is the "beginning" steps, one 
   "toy"                                 a toy and its mishap: {obj} {obj_adj} {what} {fix}
   "newcomer"                            a new child {new}, with pronouns {nhe} {nhis}...
 The choices are drawn in this order, so adding a template or a step changes every story
-after it, and with it the corpus digest pinned in tests/test_corpus.py.
+after it, and with it the corpus digest pinned in tests/training/test_corpus.py.
 """
 
+import argparse
 import json
 import random
 import sys
@@ -185,12 +186,17 @@ def stories(n_chars: int = 2_200_000, seed: int = 0) -> list[str]:
     return out
 
 
-def main(argv: list[str]) -> None:
-    if len(argv) != 1:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m llama_mini.training.corpus",
+                                description="Write the built-in stories (2.2 MB of UTF-8 text) to a file.")
+    p.add_argument("out", nargs="?", help="the file to write: a new file, or a regular file to replace")
+    out = p.parse_args(argv).out
+    if out is None:
         raise ValueError("pass one argument, the file to write: python -m llama_mini.training.corpus OUT.txt")
-    text = "\n\n".join(stories()) + "\n"
-    atomic_write(argv[0], lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, lambda tmp: tmp.write_text("\n\n".join(stories()) + "\n", encoding="utf-8"))
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main, sys.argv[1:]))
+    sys.exit(run_main(main))

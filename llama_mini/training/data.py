@@ -14,6 +14,7 @@ import array
 import codecs
 import hashlib
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -116,6 +117,13 @@ def load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir) -> Tokenizer:
         return train_sentencepiece(lines, vocab_size, path)
     except RuntimeError as e:  # SentencePiece says what it needs after its source location, "...] "
         reason = str(e).split("] ")[-1]
+        # "... smaller than required_chars. 300 vs 318. Increase vocab_size or decrease character_coverage
+        # with --character_coverage option.": a flag train.py does not have, since every character of
+        # the text must stay a token; the second number is the smallest vocabulary that holds them.
+        too_small = re.search(r"required_chars\. \d+ vs (\d+)", reason)
+        if too_small:
+            reason = (f"a token for each of its characters, with the byte and special tokens, needs at least "
+                      f"{too_small[1]}; pass --vocab-size {too_small[1]} or more")
         raise ValueError(f"cannot train a tokenizer with --vocab-size {vocab_size} on {corpus.name}: {reason}") from None
 
 

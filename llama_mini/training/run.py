@@ -8,12 +8,15 @@ so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun
 its optimizer.
 """
 
+import sys
+
 import torch
 
 from ..device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm
 from ..model import Transformer
+from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
 from ..trainer import Trainer, configure_optimizer
 from .config import TrainConfig, finetune_config
@@ -55,10 +58,14 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     source = load_checkpoint(start, dtype=torch.float32) if start else None
     if source and not saved:
         cfg = finetune_config(cfg, source.args)
-    tokenizer, tokens = _data(cfg, corpus, folder, group)
+        quantization = getattr(source, "quantization", None)
+        if quantization:  # generate.py runs it, so it can be fine-tuned: from the weights it holds
+            dequantize(source)
+            if group.is_main:
+                print(f"{start} holds {quantization['method']} weights: fine-tuning starts from them, "
+                      "dequantized to float32 (not from the full-precision weights they were made from)", file=sys.stderr)
+    tokenizer, tokens = _data(cfg, corpus, folder, group, source)
     args = source.args if source else cfg.model_args(tokenizer.n_words)
-    if source:
-        check_vocab_size(tokenizer, args.vocab_size, start)
     torch.manual_seed(cfg.seed)  # the same seed on every process: every replica starts the same
     raw_model = use_fused_rmsnorm(Transformer(args).to(device))
     model = wrap_model(raw_model, group, device, cfg.fsdp, cfg.compile)
@@ -73,9 +80,10 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     return trainer
 
 
-def _data(cfg: TrainConfig, corpus, folder: RunFolder, group: ProcessGroup):
+def _data(cfg: TrainConfig, corpus, folder: RunFolder, group: ProcessGroup, source=None):
     """The tokenizer and the token splits. The first process on each machine builds the
-    caches; the others wait, then read them."""
+    caches; the others wait, then read them. A checkpoint's tokenizer must have its vocabulary
+    (source: the model a run starts from), checked before the data is tokenized with it."""
     if folder.latest:  # a resumed run's own copy
         path = checkpoint_tokenizer(folder.latest)
     elif cfg.init_from:
@@ -84,6 +92,8 @@ def _data(cfg: TrainConfig, corpus, folder: RunFolder, group: ProcessGroup):
         path = cfg.tokenizer  # None: one is trained on the data
     with group.local_rank_zero_first():
         tokenizer = open_tokenizer(path) if path else load_tokenizer(corpus, cfg.vocab_size, cfg.cache_dir)
+        if source is not None:
+            check_vocab_size(tokenizer, source.args.vocab_size, folder.latest or cfg.init_from)
         tokens = TokenSplits(tokenize(corpus, tokenizer, cfg.cache_dir), cfg.val_fraction)
     tokens.check_seq_len(cfg.seq_len, corpus.name)
     prompt_len = len(tokenizer.encode(cfg.prompt))

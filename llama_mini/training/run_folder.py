@@ -183,9 +183,12 @@ class RunFolder:
             shutil.rmtree(tmp, ignore_errors=True)
             if not isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write as its own error
                 raise
-            kept = f"{LATEST} still names {self.latest.name}" if self.latest else "no checkpoint was saved"
             reason = getattr(e, "strerror", None) or e
-            raise OSError(f"cannot save {folder}: {reason}; {kept}. Free some space and --resume") from None
+            if self.latest:
+                then = f"{LATEST} still names {self.latest.name}. Free some space and --resume"
+            else:  # --resume would find nothing to resume
+                then = "no checkpoint was saved. Free some space and run the same command again (there is no checkpoint to --resume)"
+            raise OSError(f"cannot save {folder}: {reason}; {then}") from None
         shutil.rmtree(folder, ignore_errors=True)  # ours, left by a run killed before `latest` named it
         os.replace(tmp, folder)
         fsync_dir(self.path)

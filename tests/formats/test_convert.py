@@ -1,6 +1,7 @@
 """Writing every format, and converting between them with python -m llama_mini.formats.convert."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +138,18 @@ def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp
         assert converted.output.weight is converted.tok_embeddings.weight
         assert converted.args.rope_theta == 5e5 or src == "stories.bin"  # llama2.c's files have theta 10000 built in
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(targets)  # no temporary folder left
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask 022", "umask 027"])
+def test_every_file_of_a_checkpoint_gets_the_mode_new_files_get(sources, tmp_path, umask):
+    """safetensors writes its files 0600; on a shared machine the weights alone would be private."""
+    _, root = sources
+    for to in ("native", "hf"):
+        result = subprocess.run([sys.executable, "-m", "llama_mini.formats.convert", root / "meta", tmp_path / to, "--to", to],
+                                capture_output=True, text=True, timeout=120, cwd=ROOT, preexec_fn=lambda: os.umask(umask))
+        assert result.returncode == 0, result.stderr
+        modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / to).iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
 def test_convert_cli_into_a_users_folder_is_refused_and_touches_nothing(sources, tmp_path):

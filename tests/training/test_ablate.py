@@ -178,3 +178,13 @@ def test_unknown_norm_is_a_one_line_error(capsys):
     assert main(["--norms", "rmsnorm,batchnorm"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: unknown norm 'batchnorm' in --norms; choose from") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seeds", "0"], "--seeds must be >= 1, got 0"),
+    (["--target-loss", "nan"], "--target-loss must be a finite number > 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+])
+def test_a_bad_flag_is_a_one_line_error_naming_it(capsys, flags, message):
+    assert main(flags) == 2
+    assert capsys.readouterr().err == f"error: {message}\n"

@@ -151,3 +151,37 @@ def test_tokenizer_larger_than_the_checkpoints_vocabulary_is_refused(capsys, sou
     err = refused(capsys, "--init-from", source["run"], "--tokenizer", big.model_path, *source["data"], *EVAL,
                   "--out", tmp_path / "run")
     assert f"{big.model_path} has 500 tokens but the model's vocabulary has 400 ({source['run']})" in err
+
+
+def test_tokenizer_smaller_than_the_checkpoints_vocabulary_is_refused_before_any_work(capsys, source, tmp_path):
+    """Its ids would train and save, and the run's own sample, generate.py and convert would then
+    refuse the run: refused before the data is tokenized with it."""
+    small = train_sentencepiece("\n".join(corpus.stories(30_000, seed=2)).splitlines(), 350, tmp_path / "small.model")
+    cache = source["data"][3]
+    before = sorted(p.name for p in cache.iterdir())
+    err = refused(capsys, "--init-from", source["run"], "--tokenizer", small.model_path, *source["data"], *EVAL,
+                  "--out", tmp_path / "run")
+    assert f"{small.model_path} has 350 tokens but the model's vocabulary has 400 ({source['run']})" in err
+    assert not (tmp_path / "run").exists() and sorted(p.name for p in cache.iterdir()) == before
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_init_from_a_quantized_checkpoint_starts_from_its_dequantized_weights(source, tmp_path, method):
+    """generate.py runs a quantized checkpoint, so --init-from takes it: each layer's weight is
+    what its codes stand for, in float32, said in one line. With a learning rate of 1e-12 the
+    saved weights are still those (within 1e-9), and far from the source run's own."""
+    quantized = tmp_path / method
+    cli("-m", "llama_mini.formats.convert", source["run"], quantized, "--to", "native", "--quantize", method)
+    result = cli(ROOT / "train.py", "--init-from", quantized, *source["data"], *EVAL, "--max-steps", 1, "--lr", 1e-12,
+                 "--warmup-steps", 0, "--out", tmp_path / "run")
+    assert f"{quantized} holds {method} weights: fine-tuning starts from them, dequantized to float32" in result.stderr
+    assert "Traceback" not in result.stderr
+    codes = llama_mini.load_checkpoint(quantized)
+    saved, full = load_file(tmp_path / "run" / "step-000001" / "model.safetensors"), llama_mini.load_checkpoint(source["run"])
+    layers = {name.removesuffix(".weight") for name in saved if name.endswith(".weight") and saved[name].dim() == 2}
+    layers.discard("tok_embeddings")
+    assert len(layers) == 2 * 7 + 1  # every linear layer, the head included
+    for name in layers:
+        weight = codes.get_submodule(name).dequantize()
+        torch.testing.assert_close(saved[f"{name}.weight"], weight, rtol=0, atol=1e-9)
+        assert (weight - full.get_submodule(name).weight).abs().max() > 1e-5  # the quantized weights, not the source's

