@@ -2,7 +2,6 @@
 train.py --init-from on the GGUF file alone, its vocabulary read from the file."""
 
 import gguf
-import pytest
 import torch
 
 from gguf_files import EVAL, ROOT, cli

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 from gguf import GGUFValueType as V
-from gguf import Keys, TokenType
+from gguf import Keys
 
 from fixtures import GGUF_VOCAB, LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require
 from llama_mini.formats.gguf import write_vocabulary
