@@ -9,6 +9,6 @@ applied (build.py); importing this package compiles and loads nothing.
 """
 
 from .fused_rmsnorm import FusedRMSNorm, use_fused_rmsnorm
-from .matvec import use_matvec
+from .matvec import on_kernels, use_matvec
 
-__all__ = ["FusedRMSNorm", "use_fused_rmsnorm", "use_matvec"]
+__all__ = ["FusedRMSNorm", "on_kernels", "use_fused_rmsnorm", "use_matvec"]

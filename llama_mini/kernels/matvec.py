@@ -124,6 +124,11 @@ def use_matvec(model: nn.Module) -> nn.Module:
     return model
 
 
+def on_kernels(model: nn.Module) -> bool:
+    """Whether use_matvec put model's blocks on the kernels."""
+    return any(isinstance(module, KernelBlock) for module in model.modules())
+
+
 def kernel_operands(linear):
     """(weight, scales, zeros) of a linear layer as the kernels read them, or None where they do
     not take it: other shapes, biases, dtypes, or tensors not laid out in one piece."""
