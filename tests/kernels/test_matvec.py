@@ -3,6 +3,9 @@ answer at every row count, the attention step against the model's own code, a la
 against its operators, and a model on the kernels against transformers and through generate.py."""
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
 from generate_cli_helpers import LLAMA2_TOKENIZER, require, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +88,36 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
         ops.linear_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(8))
     with pytest.raises(RuntimeError, match="a contiguous 2-D weight"):
         ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
+
+
+# The kernels built without AVX-512, in a child process (one build per machine, cached).
+AVX2_BUILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from llama_mini.kernels import build
+build.CXX_FLAGS = [flag for flag in build.CXX_FLAGS if "vector-width" not in flag] + ["-mno-avx512f", "-mno-avxvnni"]
+from llama_mini.kernels import matvec
+from linear_outputs import linear_outputs
+ops = matvec.operators()
+torch.save(None if ops is None else linear_outputs(ops), sys.argv[2])
+"""
+
+
+def test_the_avx2_build_gives_this_cpus_numbers_bit_for_bit(ops, tmp_path):
+    """Where the kernels run 512-bit registers (AVX-512 with VNNI), an AVX2 CPU runs two 256-bit
+    halves: each output's sums are the same, so the linear layers give the same numbers on either."""
+    from linear_outputs import linear_outputs
+
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not all(f" {flag}" in cpu for flag in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")):
+        pytest.skip("this CPU's build is the AVX2 one")
+    result = subprocess.run([sys.executable, "-c", AVX2_BUILD, str(Path(__file__).parent), str(tmp_path / "avx2.pt")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    theirs = torch.load(tmp_path / "avx2.pt")
+    assert theirs is not None, "the AVX2 build has no kernels"
+    ours = linear_outputs(ops)
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
 
 
 # --- Attention over the cache -------------------------------------------------------------------

@@ -88,7 +88,8 @@ void dense_tile(const X* x, const W* w, Y* y, int64_t n, int64_t k, int64_t m0, 
         for (int r = 0; r < MR; r++) xv[r] = Floats16::load(x + (m0 + r) * k + j);
         for (int q = 0; q < NR; q++) {
             if (next) prefetch(next + q * k + j);
-            const Floats16 wv = Floats16::load(w + (i0 + q) * k + j);
+            Floats16 wv = Floats16::load(w + (i0 + q) * k + j);
+            in_register(wv);
             for (int r = 0; r < MR; r++) acc[r][q] = fma(wv, xv[r], acc[r][q]);
         }
     }

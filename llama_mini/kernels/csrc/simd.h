@@ -102,6 +102,9 @@ struct Floats16 {
 };
 inline Floats16 fma(Floats16 a, Floats16 b, Floats16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 inline Floats16 mul(Floats16 a, Floats16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+// Keeps v in a register: a value used by several multiply-adds is otherwise read from memory
+// by each of them, and loads, not arithmetic, then bound the loop.
+inline void in_register(Floats16& v) { asm volatile("" : "+v"(v.v)); }
 inline Floats16 add(Floats16 a, Floats16 b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
 #else
@@ -117,6 +120,7 @@ struct Floats16 {
 inline Floats16 fma(Floats16 a, Floats16 b, Floats16 c) {
     return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
+inline void in_register(Floats16& v) { asm volatile("" : "+x"(v.lo), "+x"(v.hi)); }
 inline Floats16 mul(Floats16 a, Floats16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline Floats16 add(Floats16 a, Floats16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
 inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) {
