@@ -78,19 +78,20 @@ template <int MR, typename Tile> void over_chunks(int64_t rows, const Tile& tile
 // Outputs (m0 .. m0 + MR - 1, i0 .. i0 + NR - 1) of x W^T.
 template <int MR, int NR, typename X, typename W, typename Y>
 void dense_tile(const X* x, const W* w, Y* y, int64_t n, int64_t k, int64_t m0, int64_t i0, bool prefetch_next) {
+    using Step = DenseStep<X, W>;
     const W* next = prefetch_next && i0 + 2 * NR <= n ? w + (i0 + NR) * k : nullptr;  // the next tile's rows
     Floats16 acc[MR][NR];
     for (int r = 0; r < MR; r++)
         for (int q = 0; q < NR; q++) acc[r][q] = Floats16::zero();
     int64_t j = 0;
-    for (; j + 16 <= k; j += 16) {
-        Floats16 xv[MR];
-        for (int r = 0; r < MR; r++) xv[r] = Floats16::load(x + (m0 + r) * k + j);
+    for (; j + Step::inputs <= k; j += Step::inputs) {
+        typename Step::Vector xv[MR];
+        for (int r = 0; r < MR; r++) xv[r] = Step::load(x + (m0 + r) * k + j);
         for (int q = 0; q < NR; q++) {
             if (next) prefetch(next + q * k + j);
-            Floats16 wv = Floats16::load(w + (i0 + q) * k + j);
+            typename Step::Vector wv = Step::load_w(w + (i0 + q) * k + j);
             in_register(wv);
-            for (int r = 0; r < MR; r++) acc[r][q] = fma(wv, xv[r], acc[r][q]);
+            for (int r = 0; r < MR; r++) acc[r][q] = Step::madd(acc[r][q], wv, xv[r]);
         }
     }
     for (int r = 0; r < MR; r++)
@@ -253,16 +254,16 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
 }
 
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
-                                     int64_t k) {
-    const float* xf = as_float(x, x_bf16, rows * k);
+                                     int64_t k, int threads) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     // vpackssdw/vpacksswb interleave the two 128-bit lanes; this puts the 32 bytes back in order.
     const __m256i lane_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    for (int64_t block = 0; block < rows * k / BLOCK; block++) {
-        const float* v = xf + block * BLOCK;
+    const int64_t blocks = rows * k / BLOCK;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
         __m256 part[4], amax = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
-            part[j] = _mm256_loadu_ps(v + 8 * j);
+            part[j] = load8(x, block * BLOCK + 8 * j, x_bf16);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));
         }
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
@@ -308,7 +309,7 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 
 extern "C" int matvec_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
-extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t) {}
+extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,

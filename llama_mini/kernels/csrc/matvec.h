@@ -20,7 +20,7 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
 // rounded to int8 with its own scale (absmax / 127), as llama.cpp's Q8_0 does. xq is
 // (rows, k), xd and xsum (the block's sum of codes) are (rows, k / 32). k % 32 == 0.
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
-                                     int64_t k);
+                                     int64_t k, int threads);
 
 // W int8 with a scale per row and block of 32 inputs: W[i, j] = w[i, j] * scales[i, j / 32].
 // n % 8 == 0: rows come in sets of eight, interleaved. For set p and block b, w[p, b] is 256

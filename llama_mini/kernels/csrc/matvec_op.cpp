@@ -57,7 +57,8 @@ const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k) {
     TORCH_CHECK(k % 32 == 0, "llama_mini::linear: integer weights need a multiple of 32 inputs, not ", k);
     thread_local Activations a;
     a.codes.resize(rows * k), a.scales.resize(rows * k / 32), a.sums.resize(rows * k / 32);
-    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k);
+    const int threads = rows * k >= PARALLEL_MIN_WORK / 8 ? at::get_num_threads() : 1;  // a few operations per input
+    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k, threads);
     return a;
 }
 
