@@ -44,13 +44,13 @@ using namespace simd;
 // Tile sizes: as many accumulators as the registers hold (32 with AVX-512, 16 with AVX2),
 // with room for the operands.
 #ifdef SIMD_WIDE
-constexpr int DENSE_MR = 4, DENSE_NR = 4;  // rows of x, rows of W
-constexpr int INT_MR = 4, INT_NZ = 2;  // rows of x, pairs of sets of eight rows of W
+constexpr int DENSE_MR = 4, DENSE_NR = 6;  // rows of x, rows of W
+constexpr int INT_MR = 4, INT_NZ = 3;  // rows of x, pairs of sets of eight rows of W
 #else
 constexpr int DENSE_MR = 2, DENSE_NR = 2;
 constexpr int INT_MR = 2, INT_NZ = 1;
 #endif
-constexpr int64_t CHUNK = 64;  // rows of x per pass over the weights
+constexpr int64_t CHUNK = 128;  // rows of x per pass over the weights
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead each stream of integer weights is fetched
 
 // Calls tile<R>(m) for rows [begin, end) in tiles of MR rows, then one tile of the rows left.
