@@ -123,12 +123,9 @@ struct Activations {
     const int32_t* sums;  // (rows, k / 32)
 };
 
-// The sets of the NZ pairs from set p0: first[z] and second[z] (equal where a set is alone).
+// The sets of a tile's NZ pairs: first[z] and second[z] (equal where a set is alone).
 template <int NZ> struct SetPairs {
     int64_t first[NZ], second[NZ];
-    SetPairs(int64_t p0, int64_t sets) {
-        for (int z = 0; z < NZ; z++) first[z] = p0 + 2 * z, second[z] = std::min(p0 + 2 * z + 1, sets - 1);
-    }
 };
 
 template <typename Y> void store16(Y* y, int64_t first, int64_t second, Floats16 v) {
@@ -142,13 +139,12 @@ inline void prefetch_ahead(const void* at, int64_t bytes, const void* end) {
     for (int64_t line = 0; line < bytes && p + line < static_cast<const char*>(end); line += 64) prefetch(p + line);
 }
 
-// int8 weights with a scale per row and block of 32 inputs: outputs (m0 .. m0 + MR - 1) of the pairs from set p0.
+// int8 weights with a scale per row and block of 32 inputs: outputs (m0 .. m0 + MR - 1) of the sets of pairs.
 template <int MR, int NZ, typename Y>
 void int8_tile(const Activations& a, const int8_t* codes, const void* scales, bool scales_bf16, Y* y, int64_t n,
-               int64_t k, int64_t m0, int64_t p0, bool prefetch_next) {
+               int64_t k, int64_t m0, const SetPairs<NZ>& pairs, bool prefetch_next) {
     const int64_t blocks = k / BLOCK, set_bytes = blocks * 256;
     const int8_t* end = codes + n / 8 * set_bytes;
-    const SetPairs<NZ> pairs(p0, n / 8);
     Floats16 acc[MR][NZ];
     for (int r = 0; r < MR; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = Floats16::zero();
@@ -186,10 +182,9 @@ void int8_tile(const Activations& a, const int8_t* codes, const void* scales, bo
 // int4 weights in groups of `group` inputs, a scale and a zero each: as int8_tile.
 template <int MR, int NZ, typename Y>
 void int4_tile(const Activations& a, const uint8_t* codes, const void* scales, const void* zeros, bool scales_bf16,
-               Y* y, int64_t n, int64_t k, int64_t group, int64_t m0, int64_t p0, bool prefetch_next) {
+               Y* y, int64_t n, int64_t k, int64_t group, int64_t m0, const SetPairs<NZ>& pairs, bool prefetch_next) {
     const int64_t blocks = k / BLOCK, groups = k / group, per_group = group / BLOCK, set_bytes = blocks * 128;
     const uint8_t* end = codes + n / 8 * set_bytes;
-    const SetPairs<NZ> pairs(p0, n / 8);
     Floats16 acc[MR][NZ];
     for (int r = 0; r < MR; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = Floats16::zero();
@@ -228,15 +223,32 @@ void int4_tile(const Activations& a, const uint8_t* codes, const void* scales, c
         for (int z = 0; z < NZ; z++) store16(y + (m0 + r) * n, pairs.first[z], pairs.second[z], acc[r][z]);
 }
 
-// Runs tile<R, NZ>(m, first set, prefetch?) over every row and every set, threads taking bands of sets.
+// Runs tile<R, NZ>(m, pairs, prefetch?) over the rows and the sets [begin, end) read as 2 NZ
+// streams: the band cut into 2 NZ runs of sets, a tile taking one set of each run, the next tile
+// the next sets. Each stream runs forward through memory, which keeps the prefetchers (and ours)
+// ahead of it; adjacent sets paired would jump back at every pair. The sets left over (fewer
+// than 2 NZ) go in pairs of their own.
+template <int NZ, typename Tile> void in_streams(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
+    const int64_t length = (end - begin) / (2 * NZ), rest = begin + 2 * NZ * length;
+    over_chunks<INT_MR>(rows, [&]<int R>(int64_t m, int64_t i, bool first) {
+        SetPairs<NZ> pairs;
+        for (int z = 0; z < NZ; z++) pairs.first[z] = begin + 2 * z * length + i, pairs.second[z] = pairs.first[z] + length;
+        tile.template operator()<R, NZ>(m, pairs, first);
+    }, 0, length, 1);
+    over_chunks<INT_MR>(rows, [&]<int R>(int64_t m, int64_t p, bool first) {
+        tile.template operator()<R, 1>(m, SetPairs<1>{{p}, {std::min(p + 1, end - 1)}}, first);
+    }, rest, end, 2);
+}
+
+// Every row and set, threads taking bands of sets. A few rows (a decoding step) are bound by
+// memory, and read two streams per thread; more are bound by arithmetic, and take NZ pairs
+// per tile, for more accumulators.
 template <typename Tile> void over_sets(int64_t rows, int64_t n, int threads, const Tile& tile) {
     for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
-        over_chunks<INT_MR>(rows, [&]<int R>(int64_t m, int64_t p, bool first) {
-            if (end - p >= 2 * INT_NZ)
-                tile.template operator()<R, INT_NZ>(m, p, first);
-            else  // the band's last sets
-                for (int64_t q = p; q < end; q += 2) tile.template operator()<R, 1>(m, q, first);
-        }, begin, end, 2 * INT_NZ);
+        if (rows < INT_MR)
+            in_streams<1>(rows, begin, end, tile);
+        else
+            in_streams<INT_NZ>(rows, begin, end, tile);
     }, 2 * INT_NZ);
 }
 
@@ -284,8 +296,8 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
                             int y_bf16, int threads) {
     const Activations a{xq, xd, xsum};
     const auto run = [&]<typename Y>(Y* yt) {
-        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, int64_t p, bool first) {
-            int8_tile<R, NZ>(a, codes, scales, scales_bf16, yt, n, k, m, p, first);
+        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
+            int8_tile<R, NZ>(a, codes, scales, scales_bf16, yt, n, k, m, pairs, first);
         });
     };
     if (y_bf16) run(static_cast<uint16_t*>(y));
@@ -297,8 +309,8 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             int64_t group, int scales_bf16, int y_bf16, int threads) {
     const Activations a{xq, xd, xsum};
     const auto run = [&]<typename Y>(Y* yt) {
-        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, int64_t p, bool first) {
-            int4_tile<R, NZ>(a, codes, scales, zeros, scales_bf16, yt, n, k, group, m, p, first);
+        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
+            int4_tile<R, NZ>(a, codes, scales, zeros, scales_bf16, yt, n, k, group, m, pairs, first);
         });
     };
     if (y_bf16) run(static_cast<uint16_t*>(y));
