@@ -220,6 +220,26 @@ class Implementation:
 
     def __init__(self, generate, logits, n_bytes, at=None):
         self.generate, self.logits, self.n_bytes, self.at = generate, logits, n_bytes, at
+        self.f32_error = None  # llama_mini int8 / int4: the logits' error with float32 activations
+
+
+def logits_error(logits, expected) -> float:
+    """rms of the logits' difference from the expected ones, over the latter's std."""
+    return ((logits - expected).pow(2).mean().sqrt() / expected.std()).item()
+
+
+def float32_activation_errors(base, prompt, expected) -> dict:
+    """{method: logits error} of int8 and int4 run as llama.cpp runs Q8_0 and Q4_0: float32
+    activations and 16-bit scales (bf16 here, fp16 there), the same bytes per weight."""
+    errors = {}
+    for method in ("int8", "int4"):
+        model = quantize(copy.deepcopy(base), method)
+        for module in model.modules():
+            for name in ("scales", "zeros"):
+                if isinstance(getattr(module, name, None), torch.Tensor):
+                    setattr(module, name, getattr(module, name).bfloat16())
+        errors[method] = logits_error(logits_ours(use_matvec(use_fused_rmsnorm(model)), prompt), expected)
+    return errors
 
 
 def implementations(size, args, folder, max_seq_len, quality_prompt):
@@ -229,10 +249,15 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
     base = Transformer(ModelArgs(**SIZES[size], vocab_size=32000, max_seq_len=max_seq_len)).eval()
     expected = logits_ours(base, quality_prompt) if args.quality else None  # before the kernels
     out = {}
+    if expected is not None:
+        for method, error in float32_activation_errors(base, quality_prompt, expected).items():
+            out[f"llama_mini {method}"] = error
+    f32_errors, out = out, {}
     for variant, model in llama_mini_variants(base).items():
         out[f"llama_mini {variant}"] = Implementation(
             lambda p, n, m=model: run_ours(m, p, n), lambda p, m=model: logits_ours(m, p), weight_bytes_per_token(model),
             lambda p, positions, steps, m=model: ours_at(m, p, positions, steps))
+        out[f"llama_mini {variant}"].f32_error = f32_errors.get(f"llama_mini {variant}")
         if args.compile:
             compiled = copy.deepcopy(model)
             compiled.compile(dynamic=True)
@@ -271,7 +296,9 @@ def measure(size, args):
         rows = {name: {"n_bytes": impl.n_bytes, "tokens": impl.generate(prompt, args.tokens)} for name, impl in impls.items()}
         if expected is not None:  # the logits' error against the plain fp32 model's, over a prompt
             for name, impl in impls.items():
-                rows[name]["error"] = ((impl.logits(tokens[:256]) - expected).pow(2).mean().sqrt() / expected.std()).item()
+                rows[name]["error"] = logits_error(impl.logits(tokens[:256]), expected)
+                if impl.f32_error is not None:
+                    rows[name]["f32 error"] = impl.f32_error
         times = {name: {"decode": [], "one": [], **{length: [] for length in prompt_lengths}} for name in impls}
         copy_times = []
         for _ in range(args.rounds):
@@ -312,13 +339,14 @@ def print_size(size, rows, bandwidth, args):
     print(f"\n{size}: copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     header = f"{'implementation':>24} {'decode tok/s':>12} {'of bound':>8} {'MB/token':>9}"
     header += "".join(f" {f'prefill {n} tok/s':>18} {f'first token {n}':>16}" for n in lengths)
-    header += f" {'logits error':>12} {'same tokens as llama_mini fp32':>31}"
+    header += f" {'logits error':>12} {'(f32 activations)':>17} {'same tokens as llama_mini fp32':>31}"
     print(header)
     for name, row in rows.items():
         same = sum(a == b for a, b in zip(row["tokens"], reference))
         line = f"{name:>24} {row['decode']:12.1f} {row['of bound']:8.0%} {row['n_bytes'] / 1e6:9.1f}"
         line += "".join(f" {n / row[n]:18.1f} {row[n]:15.2f}s" for n in lengths)
         line += f" {row['error']:12.4f}" if "error" in row else f" {'':>12}"
+        line += f" {row['f32 error']:17.4f}" if "f32 error" in row else f" {'':>17}"
         print(line + f" {same:>27}/{len(reference)}")
     print("ratios, llama_mini / llama.cpp at the same bytes per weight (and / transformers):")
     for variant in VARIANTS:
