@@ -172,43 +172,43 @@ def logits_llama_cpp(path, prompt, threads):
 # --- Decoding far into a context --------------------------------------------------------------
 
 
-def ours_at(model, prompt, positions, steps):
-    """{position: decode(n)} for each position: the cache holds prompt[:position] (read as a
-    prompt), and decode(n) times n decoding steps from there."""
-    model.setup_cache(1, max(positions) + steps + 1)
-    token = torch.tensor([[prompt[0]]])
-    done, out = 0, {}
-    with torch.inference_mode():
-        for position in sorted(positions):
-            for start in range(done, position, 512):
-                model(torch.tensor([prompt[start:min(position, start + 512)]]), start, last_only=True)
-            done = position
+class OursFar:
+    """llama_mini decoding far into a context: fill_to(p) reads prompt[:p] into the KV cache (after
+    what it already holds), decode(n) times n decoding steps from there."""
 
-            def decode(n, at=position):
-                with torch.inference_mode():
-                    for i in range(n):
-                        decode_one_token(model, token, at + i)
+    def __init__(self, model, prompt, longest):
+        self.model, self.prompt, self.done = model, prompt, 0
+        model.setup_cache(1, longest)
 
-            out[position] = decode
-    return out
+    @torch.inference_mode()
+    def fill_to(self, position):
+        for start in range(self.done, position, 512):
+            self.model(torch.tensor([self.prompt[start:min(position, start + 512)]]), start, last_only=True)
+        self.done = position
+
+    @torch.inference_mode()
+    def decode(self, n):
+        token = torch.tensor([self.prompt[:1]])
+        for i in range(n):
+            decode_one_token(self.model, token, self.done + i)
 
 
-def llama_cpp_at(llm, prompt, positions):
-    """ours_at for llama.cpp: its cache holds prompt[:position]; decode(n) evaluates n tokens after it."""
-    llm.reset()
-    done, out = 0, {}
-    for position in sorted(positions):
-        llm.n_tokens = done  # past the steps timed at the last position
-        llm.eval(prompt[done:position])
-        done = position
+class LlamaCppFar:
+    """OursFar for llama.cpp."""
 
-        def decode(n, at=position):
-            llm.n_tokens = at  # its cache keeps prompt[:at]; eval drops what came after
-            for _ in range(n):
-                llm.eval(prompt[:1])
+    def __init__(self, llm, prompt):
+        self.llm, self.prompt, self.done = llm, prompt, 0
+        llm.reset()
 
-        out[position] = decode
-    return out
+    def fill_to(self, position):
+        self.llm.n_tokens = self.done  # eval drops what the last decode steps added after it
+        self.llm.eval(self.prompt[self.done:position])
+        self.done = position
+
+    def decode(self, n):
+        self.llm.n_tokens = self.done
+        for _ in range(n):
+            self.llm.eval(self.prompt[:1])
 
 
 # --- The rounds -------------------------------------------------------------------------------
@@ -216,10 +216,10 @@ def llama_cpp_at(llm, prompt, positions):
 
 class Implementation:
     """One implementation and variant: generate(prompt, n) -> tokens, logits(prompt) -> (T, vocab),
-    at(prompt, positions, steps) -> {position: decode(n)} (or None), weight bytes per token."""
+    far(prompt, longest) -> OursFar or LlamaCppFar (or None), weight bytes per token."""
 
-    def __init__(self, generate, logits, n_bytes, at=None):
-        self.generate, self.logits, self.n_bytes, self.at = generate, logits, n_bytes, at
+    def __init__(self, generate, logits, n_bytes, far=None):
+        self.generate, self.logits, self.n_bytes, self.far = generate, logits, n_bytes, far
         self.f32_error = None  # llama_mini int8 / int4: the logits' error with float32 activations
 
 
@@ -256,7 +256,7 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
     for variant, model in llama_mini_variants(base).items():
         out[f"llama_mini {variant}"] = Implementation(
             lambda p, n, m=model: run_ours(m, p, n), lambda p, m=model: logits_ours(m, p), weight_bytes_per_token(model),
-            lambda p, positions, steps, m=model: ours_at(m, p, positions, steps))
+            lambda p, longest, m=model: OursFar(m, p, longest))
         out[f"llama_mini {variant}"].f32_error = f32_errors.get(f"llama_mini {variant}")
         if args.compile:
             compiled = copy.deepcopy(model)
@@ -272,7 +272,7 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
     for variant, (llm, n_bytes, path) in llama_cpp_models(base, args.tokenizer, folder, threads).items():
         out[f"llama.cpp {LLAMA_CPP[variant]}"] = Implementation(
             lambda p, n, m=llm: run_llama_cpp(m, p, n), lambda p, path=path: logits_llama_cpp(path, p, threads), n_bytes,
-            lambda p, positions, steps, m=llm: llama_cpp_at(m, p, positions))
+            lambda p, longest, m=llm: LlamaCppFar(m, p))
     return out, expected
 
 
@@ -321,14 +321,18 @@ def measure(size, args):
 
 
 def measure_far_positions(impls, tokens, args, rows):
-    """Decoding tokens/s at each of args.positions, llama_mini's against llama.cpp's, round after round."""
-    steppers = {name: impl.at(tokens, args.positions, args.steps) for name, impl in impls.items()
-                if impl.at is not None and name.split()[1] in args.position_variants + [LLAMA_CPP[v] for v in args.position_variants]}
-    for position in args.positions:
-        times = {name: [] for name in steppers}
+    """Decoding tokens/s at each of args.positions, llama_mini's against llama.cpp's, round after
+    round; the caches filled to each position in turn."""
+    wanted = args.position_variants + [LLAMA_CPP[v] for v in args.position_variants]
+    fars = {name: impl.far(tokens, max(args.positions) + args.steps + 1) for name, impl in impls.items()
+            if impl.far is not None and name.split()[1] in wanted}
+    for position in sorted(args.positions):
+        times = {name: [] for name in fars}
+        for far in fars.values():
+            far.fill_to(position)
         for _ in range(args.rounds):
-            for name, at in steppers.items():
-                times[name].append(timed(lambda: at[position](args.steps)))
+            for name, far in fars.items():
+                times[name].append(timed(lambda: far.decode(args.steps)))
         for name, t in times.items():
             rows[name][f"at {position}"] = args.steps / statistics.median(t)
 

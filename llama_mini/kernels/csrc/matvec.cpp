@@ -98,17 +98,28 @@ void dense_tile(const X* x, const W* w, Y* y, int64_t n, int64_t k, int64_t m0, 
         for (int q = 0; q < NR; q++) store1(y + (m0 + r) * n + i0 + q, dense_finish(acc[r][q], x + (m0 + r) * k, w + (i0 + q) * k, j, k));
 }
 
-template <typename X, typename W, typename Y>
-void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+// Rows of W in tiles of NR, threads taking bands of them.
+template <int NR, typename X, typename W, typename Y>
+void dense_in_tiles(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     for_row_bands(n, threads, [&](int64_t begin, int64_t end) {
-        const int64_t whole = begin + (end - begin) / DENSE_NR * DENSE_NR;
+        const int64_t whole = begin + (end - begin) / NR * NR;
         over_chunks<DENSE_MR>(rows, [&]<int R>(int64_t m, int64_t i, bool first) {
-            dense_tile<R, DENSE_NR>(x, w, y, n, k, m, i, first);
-        }, begin, whole, DENSE_NR);
+            dense_tile<R, NR>(x, w, y, n, k, m, i, first);
+        }, begin, whole, NR);
         over_chunks<DENSE_MR>(rows, [&]<int R>(int64_t m, int64_t i, bool) {
             dense_tile<R, 1>(x, w, y, n, k, m, i, false);
         }, whole, end, 1);
-    }, DENSE_NR);
+    }, NR);
+}
+
+// A few rows (a decoding step) are bound by memory: four streams of weights per thread read
+// fastest. More are bound by arithmetic: DENSE_NR rows of W per tile.
+template <typename X, typename W, typename Y>
+void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+    if (rows < DENSE_MR)
+        dense_in_tiles<4>(x, w, y, rows, n, k, threads);
+    else
+        dense_in_tiles<DENSE_NR>(x, w, y, rows, n, k, threads);
 }
 
 // --- Integer weights -----------------------------------------------------------------------------
