@@ -16,10 +16,10 @@ import sys
 import time
 
 from llama_mini.cli import check_context, check_number, flag, run_main
-from llama_mini.device import DTYPES, pick_device
+from llama_mini.device import DTYPES, bfloat16_notice, pick_device
 from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
-from llama_mini.kernels import use_fused_rmsnorm, use_matvec
+from llama_mini.kernels import on_kernels, use_fused_rmsnorm, use_matvec
 from llama_mini.quant import QUANTIZATIONS, parameter_count
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
@@ -183,6 +183,8 @@ def main(argv=None) -> None:
         model.compile(dynamic=True)
     elif device.type == "cpu":
         use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
+    if not on_kernels(model) and (notice := bfloat16_notice(device, model.tok_embeddings.weight.dtype, "--dtype")):
+        print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
 
     if args.chat:
         return chat(model, tokenizer, args)

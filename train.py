@@ -18,9 +18,11 @@ from pathlib import Path
 # runtime; an explicit OMP_WAIT_POLICY=ACTIVE wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from llama_mini.cli import run_main  # noqa: E402
+from llama_mini.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
 from llama_mini.trainer import lr_at, sample_text  # noqa: E402
 from llama_mini.training.config import TrainConfig, add_arguments  # noqa: E402
@@ -42,6 +44,8 @@ def train(cfg: TrainConfig) -> Path:
     log = MetricsLog(folder.path / METRICS, trainer.step) if main else None
     if main:
         print(trainer.describe())
+        if trainer.bf16 and (notice := bfloat16_notice(trainer.device, torch.bfloat16, "--dtype")):
+            print(notice)
     # A progress bar on a terminal only (disable=None): in a log file its redraws are noise.
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
     finished = False

@@ -1,6 +1,8 @@
 """Where and in what to compute: the device (CUDA, then Apple's MPS, then the CPU, unless one
-is named) and the dtypes the command lines offer."""
+is named), the dtypes the command lines offer, and what bfloat16 costs on this CPU."""
 
+import functools
+import time
 from typing import Optional
 
 import torch
@@ -35,3 +37,32 @@ def pick_device(name: Optional[str] = None, local_rank: int = 0) -> torch.device
     if device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("--device mps was asked for but MPS is not available; use --device cpu")
     return device
+
+
+@functools.cache
+def bfloat16_slowdown() -> float:
+    """How many times longer torch takes to multiply bfloat16 matrices than float32 ones on this
+    CPU, measured (a few milliseconds, once per process): about 1 on CPUs with AVX-512 BF16 or
+    AMX, which multiply bf16 natively, and ten or more on others, where torch converts
+    element by element."""
+
+    def fastest(dtype) -> float:
+        a, b = torch.randn(256, 512).to(dtype), torch.randn(512, 512).to(dtype)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return fastest(torch.bfloat16) / fastest(torch.float32)
+
+
+def bfloat16_notice(device: torch.device, dtype: torch.dtype, flag: str) -> Optional[str]:
+    """One line for computing in dtype on device where that is bfloat16 on a CPU whose torch
+    multiplies bf16 matrices several times slower than float32 ones: what it costs and what to
+    use instead; None where it costs nothing."""
+    if dtype != torch.bfloat16 or device.type != "cpu" or (slowdown := bfloat16_slowdown()) < 2:
+        return None
+    return (f"note: on this CPU torch multiplies bfloat16 matrices {slowdown:.0f}x slower than float32 ones "
+            f"(it has no AVX-512 BF16 or AMX); {flag} float32 runs faster here")

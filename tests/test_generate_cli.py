@@ -198,3 +198,18 @@ def test_bad_input_is_refused_in_one_line(eos_ckpt, tmp_path, monkeypatch, capsy
 def test_bytes_that_are_not_utf8_are_refused_by_the_real_cli(eos_ckpt, case):
     args, stdin, words = BAD_INPUT[case]
     assert_clean_error(run("--ckpt", eos_ckpt, *args, "--max-new-tokens", 4, stdin=stdin), *words)
+
+
+@pytest.mark.parametrize("on_kernels", [False, True])
+def test_bf16_off_the_kernels_on_a_cpu_without_fast_bf16_products_says_what_it_costs(ckpt, capsys, monkeypatch, on_kernels):
+    """--compile (or a CPU the kernels do not run on) leaves bf16 products to torch: where they are
+    slow, one line says how slow and what to use. On the kernels bf16 runs in float32 tiles."""
+    from llama_mini import device
+
+    cli = load_cli()
+    monkeypatch.setattr(device, "bfloat16_slowdown", lambda: 14.6)
+    monkeypatch.setattr(cli, "on_kernels", lambda model: on_kernels)
+    cli.main(["--ckpt", str(ckpt), "--prompt", "Hi", "--max-new-tokens", "2", "--dtype", "bfloat16"])
+    note = ("note: on this CPU torch multiplies bfloat16 matrices 15x slower than float32 ones (it has no AVX-512 "
+            "BF16 or AMX); --dtype float32 runs faster here")
+    assert capsys.readouterr().err.count(note) == (not on_kernels)

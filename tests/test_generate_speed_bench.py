@@ -12,7 +12,8 @@ def test_quick_run_prints_every_llama_mini_variant_and_transformers():
                             capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert result.returncode == 0, result.stderr
     for name in ("llama_mini fp32", "llama_mini bf16", "llama_mini int8", "llama_mini int4",
-                 "transformers fp32", "transformers bf16", "llama_mini int4 / llama_mini bf16"):
+                 "transformers fp32", "transformers bf16", "prefill 64 tok/s", "first token 64", "logits error",
+                 "llama_mini bf16 / transformers bf16: decode"):
         assert name in result.stdout, name
     # greedy decoding of the same fp32 weights gives the same tokens in both implementations
     assert any(line.split()[:2] == ["transformers", "fp32"] and line.endswith("8/8") for line in result.stdout.splitlines())

@@ -34,8 +34,8 @@ import torch
 from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "matvec_op.cpp", "decode_layer_op.cpp")]
-HEADERS = [CSRC / name for name in ("rms_norm.h", "matvec.h", "ops.h")]
+SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "matvec_op.cpp", "block_op.cpp")]
+HEADERS = [CSRC / name for name in ("rms_norm.h", "matvec.h", "simd.h", "ops.h")]
 LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):

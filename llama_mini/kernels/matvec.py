@@ -1,17 +1,20 @@
-"""Decoding on the CPU kernels, applied from outside: use_matvec(model).
+"""Linear layers and decoding steps on the CPU kernels, applied from outside: use_matvec(model).
 
 Decoding a token multiplies each weight matrix by one activation row, so on a CPU tokens/s is
-bounded by memory bandwidth / weight bytes. torch's CPU kernels are matrix-matrix kernels run
-at one row, and its int8 and int4 kernels convert every weight to float. The operators of
-csrc/matvec.cpp stream the weights in bands per thread and, for integer weights, multiply
-integers with the activations rounded to int8 in blocks of 32 (quant/layers.py's definition,
-as llama.cpp does).
+bounded by memory bandwidth / weight bytes; reading a prompt multiplies them by hundreds of
+rows, and its time is arithmetic. torch's CPU kernels read the weights slowly at one row, its
+int8 and int4 kernels convert every weight to float, and its bfloat16 products are slow on
+CPUs without bf16 arithmetic. The operators of csrc/matvec.cpp compute a tile of rows against a
+few weight rows at a time, for any number of rows, each output summed in one order whatever the
+rows beside it; integer weights meet the activations rounded to int8 in blocks of 32 (quant/
+layers.py's definition, as llama.cpp does) as integers.
 
 use_matvec swaps the class of each linear layer and transformer block for a subclass that adds
-a fast path and keeps the module's state: inputs of at most MAX_ROWS rows (a decoding step, a
-short prompt) on CPU, without autograd, run the kernels, and a block's decoding step runs in one
-call (decode_layer). Everything else runs the parent class's own code. Compiled with the fused
-RMSNorm (build.py), and checked against known answers when first loaded.
+a fast path and keeps the module's state: inputs on CPU, without autograd or autocast, with
+weights the kernels read in place, run the kernels, and a block's forward runs in one call
+(block_on_kernels). Everything else runs the parent class's own code: the same function, up to
+the order of float sums. Compiled with the fused RMSNorm (build.py), and checked against known
+answers when first loaded.
 """
 
 import functools
@@ -27,10 +30,6 @@ from ..quant.layers import Int4Linear, Int8Linear, quantized_activations
 from ..quant.layout import interleave_rows, pack_int4, pack_int8
 from . import build
 from .fused_rmsnorm import cpu_kernel
-
-# Rows of x up to which the matrix-vector kernels beat torch's matrix-matrix ones: each row
-# costs the kernels a pass over the weights in cache.
-MAX_ROWS = 16
 
 log = logging.getLogger(__name__)
 
@@ -56,9 +55,9 @@ FLOATS = (torch.float32, torch.bfloat16)  # the activation, weight and scale dty
 
 
 def operators_for(x: torch.Tensor, floats: torch.Tensor):
-    """The operators, if they should compute x W^T (floats: W, or its scales); None where
-    torch's kernels should. Cheapest checks first: this runs for every layer of every step."""
-    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in FLOATS or x.numel() > MAX_ROWS * x.shape[-1]:
+    """The operators, if they should compute x W^T (floats: W, or its scales); None where the
+    layer's own code should. Cheapest checks first: this runs for every layer of every step."""
+    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in FLOATS:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or floats.requires_grad):
         return None
@@ -68,41 +67,42 @@ def operators_for(x: torch.Tensor, floats: torch.Tensor):
 
 
 class MatvecLinear(nn.Linear):
-    """nn.Linear (no bias) whose decoding steps run the matrix-vector kernel."""
+    """nn.Linear (no bias) on the dense kernel: y = x W^T in float32 arithmetic, in x's dtype.
+    Under autocast, torch's F.linear (autocast decides the dtypes)."""
 
     def forward(self, x):
-        ops = operators_for(x, self.weight) if self.bias is None else None
-        return super().forward(x) if ops is None else ops.matvec_dense(x, self.weight)
+        usable = self.bias is None and self.weight.is_contiguous() and not torch.is_autocast_enabled("cpu")
+        ops = operators_for(x, self.weight) if usable else None
+        return super().forward(x) if ops is None else ops.linear_dense(x, self.weight)
 
 
 class MatvecInt8Linear(Int8Linear):
-    """Int8Linear whose decoding steps run the integer kernel (rows held in sets of eight)."""
+    """Int8Linear on the integer kernel (rows held in sets of eight): its own function, autocast or not."""
 
     def forward(self, x):
-        ops = operators_for(x, self.scales) if self.rows_of_8 else None
-        return super().forward(x) if ops is None else ops.matvec_int8(x, self.weight, self.scales)
+        ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
+        return super().forward(x) if ops is None else ops.linear_int8(x, self.weight, self.scales)
 
 
 class MatvecInt4Linear(Int4Linear):
-    """Int4Linear whose decoding steps run the integer kernel."""
+    """Int4Linear on the integer kernel: its own function, autocast or not."""
 
     def forward(self, x):
-        ops = operators_for(x, self.scales)
-        return super().forward(x) if ops is None else ops.matvec_int4(x, self.weight, self.scales, self.zeros)
+        ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
+        return super().forward(x) if ops is None else ops.linear_int4(x, self.weight, self.scales, self.zeros)
 
 
 class KernelBlock(TransformerBlock):
-    """TransformerBlock whose decoding steps (one position, read from a KV cache) run in one call.
+    """TransformerBlock whose forward without gradients runs in one call (block_on_kernels): a
+    decoding step or a prompt read into the KV cache, or a whole sequence without one.
 
     On a CPU a decoding step is so small that the thirty-odd eager calls of the block's own
-    code cost as much as its arithmetic."""
+    code cost as much as its arithmetic; and its attention kernel computes each query as a
+    decoding step would, so a prompt's numbers do not depend on how it is cut into calls."""
 
     def forward(self, x, cos, sin, start_pos: int = 0):
-        if x.shape[1] == 1 and self.attention.cache is not None:
-            out = decode_layer(self, x, cos, sin, start_pos)
-            if out is not None:
-                return out
-        return super().forward(x, cos, sin, start_pos)
+        out = None if torch.is_autocast_enabled("cpu") else block_on_kernels(self, x, cos, sin, start_pos)
+        return super().forward(x, cos, sin, start_pos) if out is None else out
 
 
 # The subclass each module's class becomes under use_matvec.
@@ -110,7 +110,7 @@ FASTER = {nn.Linear: MatvecLinear, Int8Linear: MatvecInt8Linear, Int4Linear: Mat
 
 
 def use_matvec(model: nn.Module) -> nn.Module:
-    """Run model's decoding steps on the kernels; returns model.
+    """Run model's linear layers and decoding steps on the kernels; returns model.
 
     Each nn.Linear, Int8Linear, Int4Linear and TransformerBlock of model gets the subclass of
     FASTER as its class: the module keeps its parameters, buffers and state-dict names, and gains
@@ -124,36 +124,56 @@ def use_matvec(model: nn.Module) -> nn.Module:
     return model
 
 
+def on_kernels(model: nn.Module) -> bool:
+    """Whether use_matvec put model's blocks on the kernels."""
+    return any(isinstance(module, KernelBlock) for module in model.modules())
+
+
 def kernel_operands(linear):
-    """(weight, scales, zeros) of a linear layer as decode_layer passes them, or None where the
-    kernels do not take it."""
+    """(weight, scales, zeros) of a linear layer as the kernels read them, or None where they do
+    not take it: other shapes, biases, dtypes, or tensors not laid out in one piece."""
     if isinstance(linear, Int8Linear):
-        return (linear.weight, linear.scales, None) if linear.rows_of_8 else None
-    if isinstance(linear, Int4Linear):
-        return linear.weight, linear.scales, linear.zeros
-    if isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
-        return linear.weight, None, None
-    return None
+        operands = (linear.weight, linear.scales, None) if linear.rows_of_8 else None
+    elif isinstance(linear, Int4Linear):
+        operands = linear.weight, linear.scales, linear.zeros
+    elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
+        operands = linear.weight, None, None
+    else:
+        return None
+    return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None
 
 
 HEAD_DIMS = (8, 16, 32, 64, 128)  # the head sizes the attention kernel takes
 
 
-def decode_layer(block, x, cos, sin, start_pos: int):
-    """A block's decoding step on the kernels: the norms, the seven products, RoPE, the
-    cache write, attention and the residual adds of one decoded position, in one call (the
-    operator llama_mini::decode_layer, csrc/decode_layer_op.cpp). None where the kernels
-    cannot run the block: the model's own code then runs, and says what is wrong if anything is."""
+def block_on_kernels(block, x, cos, sin, start_pos: int):
+    """A block's forward on the kernels: the norms, the seven products, RoPE, the cache write,
+    attention and the residual adds of x's positions, in one call (the operator
+    llama_mini::block, csrc/block_op.cpp). Without a KV cache (a whole sequence from position 0)
+    the keys and values go to a temporary one. None where the kernels cannot run the block:
+    the model's own code then runs, and says what is wrong if anything is."""
     cache = block.attention.cache
-    gathered = _layer_operands.get(cache)
+    gathered = _layer_operands.get(cache) if cache is not None else None
     if gathered is None or gathered[0] != x.dtype:
-        gathered = _layer_operands[cache] = (x.dtype, *_gather_operands(block, x.dtype))
+        gathered = (x.dtype, *_gather_operands(block, x.dtype))
+        if cache is not None:
+            _layer_operands[cache] = gathered
     _, trainable, operands = gathered
-    if operands is None or not x.is_cpu or x.shape[0] > min(MAX_ROWS, cache.k.shape[0]) or start_pos >= cache.k.shape[2]:
+    if operands is None or not x.is_cpu or x.dim() != 3:
         return None
     if torch.compiler.is_compiling() or torch.is_grad_enabled() and (x.requires_grad or trainable):
         return None  # autograd needs the model's own operations
-    return operators().decode_layer(x, *operands, cos, sin, start_pos)
+    batch, rows = x.shape[:2]
+    if cache is not None:
+        keys, values = cache.k, cache.v
+    elif start_pos == 0:
+        keys = torch.empty(batch, block.attention.n_kv_heads, rows, block.attention.head_dim, dtype=x.dtype)
+        values = torch.empty_like(keys)
+    else:
+        return None
+    if keys.dtype != x.dtype or batch > keys.shape[0] or start_pos + rows > keys.shape[2]:
+        return None
+    return operators().block(x, *operands, keys, values, cos, sin, start_pos)
 
 
 # A block's operands, gathered once per KV cache (setup_cache begins each generation, and a
@@ -163,11 +183,11 @@ _layer_operands = weakref.WeakKeyDictionary()
 
 
 def _gather_operands(block, dtype):
-    """(whether any of them requires grad, decode_layer's operands for `block` decoding `dtype`
-    but cos, sin and the position); the operands are None where the kernels do not run the
-    block (other norms, head sizes or dtypes, layers without kernel operands)."""
-    attention, cache = block.attention, block.attention.cache
-    if dtype not in FLOATS or cache.k.dtype != dtype or attention.head_dim not in HEAD_DIMS:
+    """(whether any of them requires grad, the operator's operands for `block` computing in
+    `dtype` but the cache, cos, sin and the position); the operands are None where the kernels
+    do not run the block (other norms, head sizes or dtypes, layers without kernel operands)."""
+    attention = block.attention
+    if dtype not in FLOATS or attention.head_dim not in HEAD_DIMS:
         return False, None
     norms = (block.attention_norm, block.ffn_norm)
     if not all(isinstance(norm, RMSNorm) and norm.n_rms == norm.weight.shape[0] and norm.weight.dtype == dtype for norm in norms):
@@ -180,7 +200,7 @@ def _gather_operands(block, dtype):
         return False, None
     weights, scales, zeros = zip(*operands)
     trainable = any(t is not None and t.requires_grad for t in (norms[0].weight, norms[1].weight, *weights, *scales, *zeros))
-    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, rms_norm.vector_bytes, weights, scales, zeros, cache.k, cache.v)
+    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, rms_norm.vector_bytes, weights, scales, zeros)
 
 
 # --- Known answers at load ---------------------------------------------------------------------
@@ -188,22 +208,23 @@ def _gather_operands(block, dtype):
 
 def _self_check(ops) -> None:
     """Refuse kernels that compiled but compute something else: each operator, every dtype
-    pair, shapes with tails (rows and inputs not a multiple of the blocks), against float64."""
+    pair, shapes with tails (rows, tiles and inputs not a multiple of the blocks), against float64."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(3, 320, generator=g).to(dtype)
+        x = torch.randn(7, 320, generator=g).to(dtype)
         xq = quantized_activations(x).double()
         w = torch.randn(7, 320, generator=g)
-        codes = torch.randint(-127, 128, (16, 320), generator=g, dtype=torch.int8)
-        scales = (torch.rand(16, generator=g) + 0.5).to(dtype)
-        nibbles = torch.randint(0, 16, (16, 320), generator=g, dtype=torch.uint8)
-        group_scales, zeros = (torch.rand(16, 5, generator=g) + 0.5).to(dtype), torch.randn(16, 5, generator=g).to(dtype)
+        codes = torch.randint(-127, 128, (24, 320), generator=g, dtype=torch.int8)
+        scales = (torch.rand(24, 10, generator=g) + 0.5).to(dtype)
+        nibbles = torch.randint(0, 16, (24, 320), generator=g, dtype=torch.uint8)
+        group_scales, zeros = (torch.rand(24, 5, generator=g) + 0.5).to(dtype), torch.randn(24, 5, generator=g).to(dtype)
+        int8 = codes.double() * scales.double().repeat_interleave(32, dim=1)
         int4 = ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None] + zeros.double()[..., None]).flatten(-2)
         checks = (
-            (ops.matvec_dense(x, w.to(dtype)), x.double() @ w.to(dtype).double().t()),
-            (ops.matvec_int8(x, pack_int8(codes), scales), xq @ (codes.double() * scales.double()[:, None]).t()),
-            (ops.matvec_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(zeros)), xq @ int4.t()),
+            (ops.linear_dense(x, w.to(dtype)), x.double() @ w.to(dtype).double().t()),
+            (ops.linear_int8(x, pack_int8(codes), interleave_rows(scales)), xq @ int8.t()),
+            (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(zeros)), xq @ int4.t()),
         )
         for got, expected in checks:
             if got.dtype != dtype or not torch.allclose(got.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3):
-                raise RuntimeError("the compiled matrix-vector kernels disagree with the reference")
+                raise RuntimeError("the compiled linear kernels disagree with the reference")

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
-from .layout import ROW_SET, pack_int8
+from .layout import ROW_SET, interleave_rows, pack_int8
 
 QUANTIZATIONS = ("int8", "int4")
 INT4_LAYOUT = "rows-of-8"  # recorded with int4 checkpoints: how codes, scales and zeros are laid out
@@ -71,13 +71,22 @@ def _linears(model: nn.Module, kind=nn.Linear):
 
 
 def upgrade_int8_layout(state: dict, expected: dict) -> None:
-    """Put int8 rows that state holds plain, (out, in), in the sets-of-eight layout where expected
-    (an empty model's state dict) has it, (out / 8, 8 in); in place, one matrix at a time."""
+    """Bring int8 layers saved in older layouts to today's, in place, one matrix at a time
+    (expected: an empty model's state dict): rows held plain, (out, in), go into sets of eight,
+    (out / 8, 8 in), where expected has them; one scale per row becomes that scale for each of
+    the row's blocks of 32 inputs. The weights they stand for are unchanged."""
     for name, tensor in state.items():
         want = expected.get(name)
-        if want is not None and tensor.dtype == want.dtype == torch.int8 and want.dim() == 2:
+        if want is None or want.dim() != 2:
+            continue
+        if tensor.dtype == want.dtype == torch.int8:
             if tuple(tensor.shape) == (want.shape[0] * ROW_SET, want.shape[1] // ROW_SET):
                 state[name] = pack_int8(tensor)
+        elif name.endswith("scales") and tensor.dim() == 1:
+            if want.shape[0] == tensor.shape[0]:  # plain rows: (out, blocks)
+                state[name] = tensor[:, None].repeat(1, want.shape[1])
+            elif want.shape[0] * ROW_SET == tensor.shape[0]:  # sets of eight: (out / 8, blocks * 8)
+                state[name] = interleave_rows(tensor[:, None].repeat(1, want.shape[1] // ROW_SET))
 
 
 def parameter_count(model: nn.Module) -> int:

@@ -7,13 +7,15 @@ bandwidth / weight bytes: fewer bytes per weight is the speed-up. Both layers co
 
 with W the dequantized weight and quantized_activations(x) the input rounded to int8 in blocks
 of 32 along its features (llama.cpp's Q8_0 activations), whatever the number of rows, so a
-prompt's logits do not depend on what else is in its batch. The arithmetic is float32 and y has
-x's dtype. This is the definition the CPU kernels (kernels/matvec.py) are held to; here it is
-computed directly, with the weight dequantized on each call.
+prompt's logits do not depend on what else is in its batch or how it was cut into calls. The
+arithmetic is float32 (autocast or not) and y has x's dtype. This is the definition the CPU
+kernels (kernels/matvec.py) are held to; here it is computed directly, with the weight
+dequantized on each call.
 
-- int8: symmetric, one scale per output row: w ~= q * scale, q in [-127, 127]. Rows of a
-  trained Llama differ in range far more than the values within one row do, so one scale per
-  row loses little (the quality tests bound it).
+- int8: symmetric, one scale per row and block of 32 inputs (the last block shorter where the
+  inputs are not a multiple of 32): w ~= q * scale, q in [-127, 127]. llama.cpp's Q8_0 at the
+  same bytes per weight with bf16 or fp16 scales: a block's scale follows the few weights it
+  covers, where one scale per row must span the row's largest.
 - int4: groups of `group_size` consecutive inputs of a row (default 32, llama.cpp's Q4_0 block),
   asymmetric: w ~= (q - 8) * scale + zero, q in [0, 15], where zero is the value code 8 stands
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
@@ -45,38 +47,55 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (codes * (absmax / 127)).flatten(-2)[..., :features]
 
 
+def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x W^T of float32 x and W in float32, also under autocast (which would round both to its dtype)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return F.linear(x, weight)
+
+
 class Int8Linear(nn.Module):
-    """y = quantized_activations(x) W^T with W stored as int8 rows and one scale per row (in the
-    model's dtype). Rows are held in sets of eight (layout.py) where out_features % 8 == 0 and
-    in_features % 32 == 0, as in every Llama matrix; other shapes keep plain rows."""
+    """y = quantized_activations(x) W^T with W stored as int8 codes and a scale (in the model's
+    dtype) per row and block of 32 inputs. Rows are held in sets of eight (layout.py) where
+    out_features % 8 == 0 and in_features % 32 == 0, as in every Llama matrix; other shapes
+    keep plain rows, (out_features, in_features) codes and (out_features, blocks) scales."""
 
     def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.rows_of_8 = out_features % ROW_SET == 0 and in_features % BLOCK == 0
-        shape = (out_features // ROW_SET, ROW_SET * in_features) if self.rows_of_8 else (out_features, in_features)
+        blocks = -(-in_features // BLOCK)
+        if self.rows_of_8:
+            shape, scales = (out_features // ROW_SET, ROW_SET * in_features), (out_features // ROW_SET, blocks * ROW_SET)
+        else:
+            shape, scales = (out_features, in_features), (out_features, blocks)
         self.register_buffer("weight", torch.empty(shape, dtype=torch.int8, device=device))
-        self.register_buffer("scales", torch.empty(out_features, dtype=dtype, device=device))
+        self.register_buffer("scales", torch.empty(scales, dtype=dtype, device=device))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
         layer = cls(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
-        codes, layer.scales = quantize_int8(weight)
-        layer.weight = pack_int8(codes) if layer.rows_of_8 else codes
+        codes, scales = quantize_int8(weight)
+        layer.weight, layer.scales = (pack_int8(codes), interleave_rows(scales)) if layer.rows_of_8 else (codes, scales)
         return layer
 
     def codes(self) -> torch.Tensor:
         """The codes as int8 (out_features, in_features)."""
         return unpack_int8(self.weight) if self.rows_of_8 else self.weight
 
-    def dequantize(self) -> torch.Tensor:
-        return (self.codes().float() * self.scales.float()[:, None]).to(self.scales.dtype)
+    def block_scales(self) -> torch.Tensor:
+        """The scales, (out_features, blocks of 32 inputs)."""
+        return deinterleave_rows(self.scales) if self.rows_of_8 else self.scales
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        """W (out_features, in_features), computed in float32, in dtype (default: the scales')."""
+        scales = self.block_scales().float().repeat_interleave(BLOCK, dim=1)[:, : self.in_features]
+        return (self.codes().float() * scales).to(dtype or self.scales.dtype)
 
     def forward(self, x):
-        return F.linear(quantized_activations(x), self.dequantize().float()).to(x.dtype)
+        return float32_linear(quantized_activations(x), self.dequantize(torch.float32)).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per row"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per block of {BLOCK}"
 
 
 class Int4Linear(nn.Module):
@@ -108,14 +127,15 @@ class Int4Linear(nn.Module):
         """(scales, zeros), each (out_features, groups)."""
         return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        """W (out_features, in_features), computed in float32, in dtype (default: the scales')."""
         scales, zeros = self.group_scales_and_zeros()
         codes = self.codes().float().unflatten(-1, (-1, self.group_size))
         w = (codes - 8) * scales.float()[..., None] + zeros.float()[..., None]
-        return w.flatten(-2).to(scales.dtype)
+        return w.flatten(-2).to(dtype or scales.dtype)
 
     def forward(self, x):
-        return F.linear(quantized_activations(x), self.dequantize().float()).to(x.dtype)
+        return float32_linear(quantized_activations(x), self.dequantize(torch.float32)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
@@ -135,12 +155,14 @@ def check_int4_shape(in_features: int, out_features: int, group_size: int) -> No
 
 
 def quantize_int8(weight: torch.Tensor):
-    """(int8 codes, scales in weight's dtype). The codes are computed with the scales as stored,
-    so dequantizing gives each weight to within half a (stored) scale."""
-    absmax = weight.float().abs().amax(dim=1)
-    scales = (absmax / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-    codes = torch.round(weight.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
-    return codes, scales
+    """(int8 codes (out, in), scales (out, blocks of 32 inputs) in weight's dtype). The codes are
+    computed with the scales as stored, so dequantizing gives each weight to within half a
+    (stored) scale."""
+    in_features = weight.shape[1]
+    blocks = F.pad(weight.float(), (0, -in_features % BLOCK)).unflatten(-1, (-1, BLOCK))  # zeros change no absmax
+    scales = (blocks.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+    codes = torch.round(blocks / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes.flatten(-2)[:, :in_features], scales
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int):

@@ -4,8 +4,9 @@ Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/ma
 eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
-and 8c + 4 + u in its high nibble. int4's scales and zeros likewise hold the eight rows of a set
-side by side. Loading a checkpoint is then a plain read.
+and 8c + 4 + u in its high nibble. The scales (int8's per block of 32 inputs, int4's per group)
+and int4's zeros likewise hold the eight rows of a set side by side. Loading a checkpoint is
+then a plain read.
 """
 
 import torch

@@ -1,8 +1,11 @@
-"""The decoding kernels (llama_mini/kernels/matvec.py): each operator against a float64 known
-answer, the attention step against the model's own code, a layer's step against its
-operators, and a model on the kernels against transformers and through generate.py."""
+"""The CPU kernels (llama_mini/kernels/matvec.py): each operator against a float64 known
+answer at every row count, the attention step against the model's own code, a layer's step
+against its operators, and a model on the kernels against transformers and through generate.py."""
 
 import copy
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +15,13 @@ from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_c
 from llama_mini.kernels import matvec, use_matvec
 from llama_mini.kernels.matvec import KernelBlock, MatvecLinear
 from llama_mini.quant.layers import quantized_activations
-from llama_mini.quant.layout import pack_int8, unpack_int8
+from llama_mini.quant.layout import interleave_rows, pack_int8, unpack_int8
 from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
 from generate_cli_helpers import LLAMA2_TOKENIZER, require, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -37,30 +42,32 @@ def close(got, expected, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k", [(1, 4, 16), (1, 37, 200), (3, 64, 768), (16, 9, 40)])  # tails of rows and inputs
+@pytest.mark.parametrize("rows, n, k", [(1, 4, 16), (1, 37, 200), (3, 64, 768), (16, 9, 40), (67, 21, 100), (130, 64, 64)])  # tails of rows, tiles and inputs
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rows * n + k)
     x, w = torch.randn(rows, k, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype)
-    y = ops.matvec_dense(x, w)
+    y = ops.linear_dense(x, w)
     assert y.dtype == dtype and y.shape == (rows, n)
     close(y, x.double() @ w.double().t(), dtype)
     torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtype):
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(5, 2048, generator=g).to(dtype)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2048, generator=g).to(dtype)
     x[0, 7] = 40.0  # one outlier: only its own block's scale grows
     w = torch.randint(-127, 128, (296, 2048), generator=g, dtype=torch.int8)
-    w[5] = 127  # the extremes: |w| times x with w's sign must not saturate
+    w[5] = 127  # the extremes: products of the largest codes must not saturate
     w[6] = -127
-    x[1, :32] = -1.0  # a block whose codes are all -127
-    scales = (torch.rand(296, generator=g) * 1e-2).to(dtype)
-    expected = quantized_activations(x).double() @ (w.double() * scales.double()[:, None]).t()
-    close(ops.matvec_int8(x, pack_int8(w), scales), expected, dtype)
+    w[7, :32] = -128  # a code the quantizer never writes, but a file may hold
+    x[-1, :32] = -1.0  # a block whose codes are all -127
+    scales = (torch.rand(296, 64, generator=g) * 1e-2).to(dtype)
+    expected = quantized_activations(x).double() @ (w.double() * scales.double().repeat_interleave(32, dim=1)).t()
+    close(ops.linear_int8(x, pack_int8(w), interleave_rows(scales)), expected, dtype)
 
 
 def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():
@@ -74,44 +81,75 @@ def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():
 
 def test_wrong_shapes_are_refused_by_the_operators(ops):
     with pytest.raises(RuntimeError, match="input of shape"):
-        ops.matvec_dense(torch.randn(1, 10), torch.randn(4, 12))
+        ops.linear_dense(torch.randn(1, 10), torch.randn(4, 12))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        ops.matvec_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(8))
-    with pytest.raises(RuntimeError, match="one scale per row"):
-        ops.matvec_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(4))
+        ops.linear_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(1, 8))
+    with pytest.raises(RuntimeError, match="one per row and block of 32 inputs"):
+        ops.linear_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="a contiguous 2-D weight"):
+        ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
 
 
-# --- A decoding step's attention -------------------------------------------------------------------
+# The kernels built without AVX-512, in a child process (one build per machine, cached).
+AVX2_BUILD = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from llama_mini.kernels import build
+build.CXX_FLAGS = [flag for flag in build.CXX_FLAGS if "vector-width" not in flag] + ["-mno-avx512f", "-mno-avxvnni"]
+from llama_mini.kernels import matvec
+from linear_outputs import linear_outputs
+ops = matvec.operators()
+torch.save(None if ops is None else linear_outputs(ops), sys.argv[2])
+"""
 
 
-def reference_step(q, k, v, cache, cos, sin, position):
-    """model.py's path: rotate, store in the cache, attend with SDPA (float64)."""
+def test_the_avx2_build_gives_this_cpus_numbers_bit_for_bit(ops, tmp_path):
+    """Where the kernels run 512-bit registers (AVX-512 with VNNI), an AVX2 CPU runs two 256-bit
+    halves: each output's sums are the same, so the linear layers give the same numbers on either
+    (bf16 x bf16 aside, which uses AVX-512 BF16's dot products where the CPU has them)."""
+    from linear_outputs import linear_outputs
+
+    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not all(f" {flag}" in cpu for flag in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")):
+        pytest.skip("this CPU's build is the AVX2 one")
+    result = subprocess.run([sys.executable, "-c", AVX2_BUILD, str(Path(__file__).parent), str(tmp_path / "avx2.pt")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    theirs = torch.load(tmp_path / "avx2.pt")
+    assert theirs is not None, "the AVX2 build has no kernels"
+    ours = linear_outputs(ops)
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+# --- Attention over the cache -------------------------------------------------------------------
+
+
+def reference_attention(q, k, v, cache, cos, sin, start):
+    """model.py's path: rotate, store in the cache, attend with SDPA (float64), causally."""
     q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
-    keys, values = cache.update(position, k.transpose(1, 2), v.transpose(1, 2))
-    repeat = q.shape[2] // k.shape[2]
+    keys, values = cache.update(start, k.transpose(1, 2), v.transpose(1, 2))
+    repeat, rows = q.shape[2] // k.shape[2], q.shape[1]
+    mask = torch.ones(rows, start + rows, dtype=torch.bool).tril(start)
     out = F.scaled_dot_product_attention(q.transpose(1, 2).double(), keys.double().repeat_interleave(repeat, 1),
-                                         values.double().repeat_interleave(repeat, 1))
+                                         values.double().repeat_interleave(repeat, 1), attn_mask=mask)
     return out.transpose(1, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 16), (2, 1, 128)])
-def test_decode_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim):
+def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim):
+    """A prompt from position 0, a decoding step, a chunk after cached positions, the last position."""
     args = ModelArgs(dim=heads * head_dim, n_heads=heads, n_kv_heads=kv_heads, vocab_size=8, max_seq_len=64)
     g = torch.Generator().manual_seed(heads + head_dim)
     ours, theirs = (KVCache(2, 40, kv_heads, head_dim, "cpu", dtype) for _ in range(2))
-    for cache in (ours, theirs):  # earlier positions, the same in both
-        cache.k[:, :, :20] = torch.randn(2, kv_heads, 20, head_dim, generator=g).to(dtype)
-        cache.v[:, :, :20] = torch.randn(2, kv_heads, 20, head_dim, generator=g).to(dtype)
-        g.manual_seed(heads + head_dim)
-    for position in (0, 20, 39):
-        q = torch.randn(2, 1, heads, head_dim, generator=g).to(dtype)
-        k, v = (torch.randn(2, 1, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
-        cos, sin = rope_cos_sin(args, position, 1)
-        got = ops.decode_attention(q, k, v, ours.k, ours.v, cos, sin, position)
-        expected = reference_step(q, k, v, theirs, cos, sin, position)
+    for start, rows in ((0, 20), (20, 1), (21, 18), (39, 1)):
+        q = torch.randn(2, rows, heads, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(2, rows, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
+        cos, sin = rope_cos_sin(args, start, rows)
+        got = ops.attention(q, k, v, ours.k, ours.v, cos, sin, start)
+        expected = reference_attention(q, k, v, theirs, cos, sin, start)
         assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)  # RoPE and the write, exactly
-        assert got.shape == (2, 1, heads, head_dim) and got.dtype == dtype
+        assert got.shape == (2, rows, heads, head_dim) and got.dtype == dtype
         close(got, expected, dtype)
 
 
@@ -136,20 +174,20 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
     assert list(model.state_dict()) == names  # the checkpoint it saves is the plain model's
 
 
-def block_step_on_the_operators(ops, block, x, cos, sin, position):
-    """TransformerBlock.forward for one decoded position, written out on the kernels: the block's
-    own norm and linear modules (which run them), and the attention operator."""
-    attention, batch = block.attention, x.shape[0]
+def block_on_the_operators(ops, block, x, cos, sin, start):
+    """TransformerBlock.forward over the cache, written out on the kernels: the block's own norm
+    and linear modules (which run them), and the attention operator."""
+    attention, (batch, rows) = block.attention, x.shape[:2]
     h = block.attention_norm(x)
-    q, k, v = (linear(h).view(batch, 1, -1, attention.head_dim) for linear in (attention.wq, attention.wk, attention.wv))
-    out = ops.decode_attention(q, k, v, attention.cache.k, attention.cache.v, cos, sin, position)
-    h = x + attention.wo(out.view(batch, 1, -1))
+    q, k, v = (linear(h).view(batch, rows, -1, attention.head_dim) for linear in (attention.wq, attention.wk, attention.wv))
+    out = ops.attention(q, k, v, attention.cache.k, attention.cache.v, cos, sin, start)
+    h = x + attention.wo(out.view(batch, rows, -1))
     return h + block.feed_forward(block.ffn_norm(h))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_a_layers_decoding_step_is_its_operators_bit_for_bit(ops, dtype, quantization):
+def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization):
     from llama_mini.quant import quantize
 
     model = tiny_model(n_layers=1).to(dtype)
@@ -159,17 +197,17 @@ def test_a_layers_decoding_step_is_its_operators_bit_for_bit(ops, dtype, quantiz
     block = model.layers[0]
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
-        model.setup_cache(2, 32)
+        model.setup_cache(2, 40)
         model(torch.randint(0, 128, (2, 12), generator=g), 0)  # a prompt in the cache
         cache = block.attention.cache
         before = cache.k.clone(), cache.v.clone()
-        for position in (12, 13):
-            x = torch.randn(2, 1, 64, generator=g).to(dtype)
-            cos, sin = rope_cos_sin(model.args, position, 1)
-            got = matvec.decode_layer(block, x, cos, sin, position)
+        for start, rows in ((12, 1), (13, 1), (14, 20)):  # decoding steps, then a chunk of a prompt
+            x = torch.randn(2, rows, 64, generator=g).to(dtype)
+            cos, sin = rope_cos_sin(model.args, start, rows)
+            got = matvec.block_on_kernels(block, x, cos, sin, start)
             after = cache.k.clone(), cache.v.clone()
             cache.k.copy_(before[0]), cache.v.copy_(before[1])
-            expected = block_step_on_the_operators(ops, block, x, cos, sin, position)
+            expected = block_on_the_operators(ops, block, x, cos, sin, start)
             assert got is not None and torch.equal(got, expected)
             assert torch.equal(after[0], cache.k) and torch.equal(after[1], cache.v)
             before = after
@@ -179,11 +217,11 @@ def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
     model = use_matvec(tiny_model())
     model.setup_cache(1, 4)
     with torch.inference_mode(), pytest.raises(ValueError, match="do not fit the KV cache"):
-        model(torch.tensor([[3]]), 4)  # decode_layer declines; KVCache.update says what is wrong
+        model(torch.tensor([[3]]), 4)  # block_on_kernels declines; KVCache.update says what is wrong
 
 
 def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
-    """decode_layer gathers a block's weights once per KV cache: quantizing a model after
+    """block_on_kernels gathers a block's weights once per KV cache: quantizing a model after
     use_matvec, then generating (which sets up a new cache), runs the quantized weights."""
     from llama_mini.quant import quantize
 
@@ -211,7 +249,7 @@ def test_decoding_with_gradients_runs_the_models_own_operations(ops):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm decode_layer does not take: the blocks' own code runs
+@pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm the block operator does not take: the blocks' own code runs
 def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
     reference = tiny_model(norm=norm).to(dtype)
     fast = use_matvec(copy.deepcopy(reference))
@@ -226,16 +264,72 @@ def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
             assert (got - expected).abs().max() <= (1e-5 if dtype == torch.float32 else 0.03) * spread
 
 
-def test_training_and_long_prompts_run_torchs_kernels():
-    """Gradients flow through a MatvecLinear (torch's F.linear runs), and a prompt longer than
-    MAX_ROWS rows is one matrix-matrix product."""
+def test_training_runs_torchs_kernels():
+    """Gradients flow through a MatvecLinear: with autograd, torch's F.linear runs."""
     layer = use_matvec(torch.nn.Sequential(torch.nn.Linear(32, 8, bias=False)))[0]
     x = torch.randn(1, 3, 32, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
+    """A row's output does not depend on the rows beside it, bit for bit: a decoding step, a
+    batch and a prompt of any length run one kernel per layer type, each output summed in one
+    order (csrc/simd.h)."""
+    from llama_mini.quant.layers import Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 96, generator=g)
+    layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w)}
+    for name, layer in layers.items():
+        layer = use_matvec(torch.nn.Sequential(layer.to(dtype)))[0]
+        for rows in (2, 17, 64, 150):
+            x = torch.randn(rows, 96, generator=g).to(dtype)
+            with torch.inference_mode():
+                assert torch.equal(layer(x), torch.cat([layer(row) for row in x.split(1)])), (name, rows)
+
+
+def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):
+    """A transposed or sliced weight (a view, not contiguous) is not an error: torch's F.linear runs."""
+    model = tiny_model()
+    reference = copy.deepcopy(model)
+    wq = model.layers[0].attention.wq
+    wq.weight = torch.nn.Parameter(wq.weight.detach().t().contiguous().t())  # the same values, column-major
+    assert not wq.weight.is_contiguous()
+    use_matvec(model)
+    x = torch.randn(1, 5, 64)
     with torch.inference_mode():
-        long = torch.randn(1, matvec.MAX_ROWS + 1, 32)
-        torch.testing.assert_close(layer(long), F.linear(long, layer.weight), rtol=0, atol=0)
+        torch.testing.assert_close(wq(x), F.linear(x, wq.weight), rtol=0, atol=0)
+    prompt = [1, 17, 42, 99, 5]
+    assert generate(model, [prompt], 20, temperature=0) == generate(reference, [prompt], 20, temperature=0)
+
+
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_under_autocast_a_model_on_the_kernels_computes_what_it_does_off_them(ops, quantization):
+    """torch.autocast(bfloat16) rounds the float layers' operands to bf16: on the kernels too, the
+    output is autocast's (MatvecLinear steps aside). The quantized layers compute their own
+    function, float32 arithmetic, autocast or not."""
+    from llama_mini.quant import quantize
+
+    reference = tiny_model()
+    if quantization:
+        quantize(reference, quantization)
+    fast = use_matvec(copy.deepcopy(reference))
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        off = reference(tokens)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, got = reference(tokens), fast(tokens)
+        for model in (reference, fast):
+            model.setup_cache(2, 24)
+            model(tokens[:, :8], 0)
+        step = reference(tokens[:, 8:9], 8), fast(tokens[:, 8:9], 8)  # decoding steps too
+    spread = (expected.amax(-1) - expected.amin(-1)).max()
+    assert (got - expected).abs().max() <= 1e-5 * spread
+    assert (step[1] - step[0]).abs().max() <= 1e-5 * spread
+    # autocast changes the float model's numbers: the test tells them apart
+    assert quantization or (off - expected).abs().max() > 1e-3 * spread
 
 
 def test_greedy_decoding_on_the_kernels_equals_transformers(ops):

@@ -115,6 +115,22 @@ def test_config_refuses_non_positive_sizes_naming_the_flag(field, value):
         TrainConfig(**{field: value})
 
 
+@pytest.mark.parametrize("slowdown", [14.6, 1.1])
+def test_bf16_on_a_cpu_without_fast_bf16_products_says_once_what_it_costs(capsys, monkeypatch, text_file, cache_dir,
+                                                                          tmp_path, slowdown):
+    """Where torch multiplies bf16 matrices much slower than fp32 ones (CPUs without AVX-512 BF16
+    or AMX), --dtype bfloat16 says so once, with the factor and the fix; elsewhere nothing."""
+    from llama_mini import device
+
+    monkeypatch.setattr(device, "bfloat16_slowdown", lambda: slowdown)
+    argv = flags(data=text_file, cache_dir=cache_dir, out=tmp_path / "run", device="cpu", max_steps=2, dtype="bfloat16",
+                 **TINY)
+    assert train_cli.main(argv) == 0
+    note = ("note: on this CPU torch multiplies bfloat16 matrices 15x slower than float32 ones (it has no AVX-512 "
+            "BF16 or AMX); --dtype float32 runs faster here")
+    assert capsys.readouterr().out.count(note) == (slowdown > 2)
+
+
 def test_gradient_accumulation_equals_one_big_batch(text_file, cache_dir, tmp_path):
     def one_step(batch_size, grad_accum, out):
         cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / out), device="cpu",

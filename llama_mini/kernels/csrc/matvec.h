@@ -1,32 +1,34 @@
-// The C ABI between the decoding kernels (matvec.cpp, plain C++ without torch) and the torch
-// operators that call them (matvec_op.cpp). Included by both, so the compiler checks that the
-// two sides agree.
+// The C ABI between the CPU kernels (matvec.cpp: linear layers; attention.cpp: attention
+// over a KV cache; plain C++ without torch) and the torch operators that call them
+// (matvec_op.cpp). Included by both, so the compiler checks that the two sides agree.
 //
-// Every kernel computes y (rows, n) = x (rows, k) W^T for a few rows of x (the tokens of one
-// decoding step) and a weight matrix W (n, k) read once from memory. x and y are float32
-// (x_bf16 / y_bf16: bfloat16 bits instead); scales are float32 (scales_bf16: bfloat16).
+// Every linear kernel computes y (rows, n) = x (rows, k) W^T for any number of rows of x, in
+// float32 arithmetic; x and y are float32 (x_bf16 / y_bf16: bfloat16 bits instead), scales
+// float32 (scales_bf16: bfloat16).
 #pragma once
 #include <cstdint>
 
 // Whether this build has the vector kernels (x86-64 with AVX2 and FMA); without them every
-// entry point below does nothing and the Python side keeps torch's own kernels.
+// entry point below does nothing and the Python side keeps the layers' own code.
 extern "C" int matvec_available();
 
-// W dense: float32 or bfloat16 (w_bf16).
-extern "C" void matvec_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
-                             int w_bf16, int y_bf16, int threads);
+// W dense: float32 or bfloat16 (w_bf16); y in x's dtype.
+extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
+                             int w_bf16, int threads);
 
 // Activations for the integer kernels: each row of x cut into blocks of 32, each block
 // rounded to int8 with its own scale (absmax / 127), as llama.cpp's Q8_0 does. xq is
 // (rows, k), xd and xsum (the block's sum of codes) are (rows, k / 32). k % 32 == 0.
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
-                                     int64_t k);
+                                     int64_t k, int threads);
 
-// W int8 with one scale per row: W[i] = w[i] * scales[i]. n % 8 == 0: rows come in sets of
-// eight, interleaved. For set p and block b of 32 inputs, w[p, b] is 256 bytes: eight runs c of
-// 32 bytes, in which bytes 4j..4j+3 are inputs 4c..4c+3 of the block in row 8p + j.
-extern "C" void matvec_int8(const int8_t* xq, const float* xd, const int8_t* w, const void* scales, void* y,
-                            int64_t rows, int64_t n, int64_t k, int scales_bf16, int y_bf16, int threads);
+// W int8 with a scale per row and block of 32 inputs: W[i, j] = w[i, j] * scales[i, j / 32].
+// n % 8 == 0: rows come in sets of eight, interleaved. For set p and block b, w[p, b] is 256
+// bytes: eight runs c of 32 bytes, in which bytes 4j..4j+3 are inputs 4c..4c+3 of the block in
+// row 8p + j. scales are (n / 8, k / 32, 8): the eight rows of a set side by side.
+extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* w,
+                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_bf16,
+                            int y_bf16, int threads);
 
 // W int4 in groups of `group` (a multiple of 32) along k: W[i, j] = (q - 8) * scale + zero, the
 // scale and zero of j's group. n % 8 == 0: rows come in sets of eight, interleaved. For set p
@@ -34,18 +36,19 @@ extern "C" void matvec_int8(const int8_t* xq, const float* xd, const int8_t* w, 
 // 4j..4j+3 belong to row 8p + j, byte 4j + u holding input 8c + u of the block in its low
 // nibble and input 8c + 4 + u in its high nibble. scales and zeros are (n / 8, groups, 8):
 // the eight rows of a set side by side.
-extern "C" void matvec_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
+extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
                             const void* scales, const void* zeros, void* y, int64_t rows, int64_t n, int64_t k,
                             int64_t group, int scales_bf16, int y_bf16, int threads);
 
-// One decoding step of attention at `position`: q (batch, heads, head_dim) and k, v (batch,
-// kv_heads, head_dim) of the new position, contiguous; k is rotated and stored with v into
-// the caches (batch, kv_heads, positions, head_dim), contiguous within a head, heads and
-// batch rows at the strides given; q is rotated and attends to positions 0..position; out
-// (batch, heads, head_dim). Query head h reads key/value head h / (heads / kv_heads). The
-// rotation: x[j] cos[j] + x[j ^ 1] sin[j], cos and sin of length head_dim (model.py's
-// tables). All float32 or all bfloat16 (bf16); head_dim 8, 16, 32, 64 or 128.
-extern "C" void decode_attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
-                                 const float* cos, const float* sin, int64_t batch, int64_t heads, int64_t kv_heads,
-                                 int64_t head_dim, int64_t position, int64_t cache_batch_stride,
-                                 int64_t cache_head_stride, int bf16, int threads);
+// Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
+// head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored
+// with v into the caches (batch, kv_heads, positions, head_dim), contiguous within a head,
+// heads and batch rows at the strides given; each row of q is rotated and attends to positions
+// 0 .. its own; out (batch, rows, heads, head_dim). Query head h reads key/value head
+// h / (heads / kv_heads). The rotation of row i: x[j] cos[i, j] + x[j ^ 1] sin[i, j], cos and
+// sin (rows, head_dim) (model.py's tables). All float32 or all bfloat16 (bf16); head_dim 8,
+// 16, 32, 64 or 128.
+extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
+                          const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
+                          int64_t cache_head_stride, int bf16, int threads);

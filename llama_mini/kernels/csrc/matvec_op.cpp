@@ -1,6 +1,7 @@
-// The torch operators llama_mini::matvec_dense, matvec_int8 and matvec_int4 over the kernels of
-// matvec.cpp: y = x W^T for the few rows of x of a decoding step, in x's dtype. Inference only
-// (no autograd); the Python side calls them under no_grad and runs torch's kernels otherwise.
+// The torch operators llama_mini::linear_dense, linear_int8 and linear_int4 over the kernels of
+// matvec.cpp (y = x W^T for any number of rows of x, in x's dtype), and attention over
+// attention.cpp's. Inference only (no autograd); the Python side calls them without gradients
+// and runs the layers' own code otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -21,7 +22,7 @@ namespace {
 bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
 void check_float(const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), "llama_mini::matvec: ", what,
+    TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), "llama_mini::linear: ", what,
                 " must be float32 or bfloat16, not ", t.scalar_type());
 }
 
@@ -35,9 +36,9 @@ int threads_for(int64_t rows, int64_t n, int64_t k) {
 
 // Checks x (..., k) against the weight's k, and allocates y (..., n) in x's dtype.
 at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
-    TORCH_CHECK(matvec_available(), "llama_mini::matvec: this build has no vector kernels (it needs AVX2 and FMA)");
-    TORCH_CHECK(x.device().is_cpu(), "llama_mini::matvec: CPU tensors only");
-    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "llama_mini::matvec: input of shape ", x.sizes(),
+    TORCH_CHECK(matvec_available(), "llama_mini::linear: this build has no vector kernels (it needs AVX2 and FMA)");
+    TORCH_CHECK(x.device().is_cpu(), "llama_mini::linear: CPU tensors only");
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "llama_mini::linear: input of shape ", x.sizes(),
                 " for a weight with ", k, " inputs");
     check_float(x, "the input");
     std::vector<int64_t> sizes = x.sizes().vec();
@@ -53,10 +54,11 @@ struct Activations {
 };
 
 const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k) {
-    TORCH_CHECK(k % 32 == 0, "llama_mini::matvec: integer weights need a multiple of 32 inputs, not ", k);
+    TORCH_CHECK(k % 32 == 0, "llama_mini::linear: integer weights need a multiple of 32 inputs, not ", k);
     thread_local Activations a;
     a.codes.resize(rows * k), a.scales.resize(rows * k / 32), a.sums.resize(rows * k / 32);
-    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k);
+    const int threads = rows * k >= PARALLEL_MIN_WORK / 8 ? at::get_num_threads() : 1;  // a few operations per input
+    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k, threads);
     return a;
 }
 
@@ -78,76 +80,76 @@ IntegerCall integer_call(const at::Tensor& x, const at::Tensor& scales, int64_t 
 }  // namespace
 
 at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::matvec_dense: a contiguous 2-D weight");
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::linear_dense: a contiguous 2-D weight");
     check_float(weight, "the weight");
     const int64_t n = weight.size(0), k = weight.size(1);
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
     const int64_t rows = xc.numel() / k;
-    ::matvec_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
-                   is_bf16(weight), is_bf16(y), threads_for(rows, n, k));
+    ::linear_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
+                   is_bf16(weight), threads_for(rows, n, k));
     return y;
 }
 
 at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar && weight.size(1) % 256 == 0,
-                "llama_mini::matvec_int8: a contiguous int8 weight (rows / 8, 8 * inputs), inputs a multiple of 32");
+                "llama_mini::linear_int8: a contiguous int8 weight (rows / 8, 8 * inputs), inputs a multiple of 32");
     const int64_t n = weight.size(0) * 8, k = weight.size(1) / 8;
-    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == n && scales.is_contiguous(),
-                "llama_mini::matvec_int8: one scale per row");
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == weight.size(0) && scales.size(1) == k / 32 * 8 && scales.is_contiguous(),
+                "llama_mini::linear_int8: scales (rows / 8, inputs / 32 * 8), one per row and block of 32 inputs");
     const IntegerCall call = integer_call(x, scales, n, k);
-    ::matvec_int8(call.x.codes.data(), call.x.scales.data(), weight.const_data_ptr<int8_t>(), scales.const_data_ptr(),
-                  call.y.mutable_data_ptr(), call.rows, n, k, is_bf16(scales), is_bf16(call.y),
+    ::linear_int8(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), weight.const_data_ptr<int8_t>(),
+                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, is_bf16(scales), is_bf16(call.y),
                   threads_for(call.rows, n, k));
     return call.y;
 }
 
 at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
-                "llama_mini::matvec_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
+                "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
     const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
     const int64_t width = scales.dim() == 2 ? scales.size(1) : 0;  // groups * 8
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && width >= 8 && width % 8 == 0 &&
                     k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0 && scales.sizes() == zeros.sizes() &&
                     scales.is_contiguous() && zeros.is_contiguous() && scales.scalar_type() == zeros.scalar_type(),
-                "llama_mini::matvec_int4: scales and zeros (rows / 8, groups * 8), groups a multiple of 32 inputs");
+                "llama_mini::linear_int4: scales and zeros (rows / 8, groups * 8), groups a multiple of 32 inputs");
     const IntegerCall call = integer_call(x, scales, n, k);
-    ::matvec_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
+    ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
                   scales.const_data_ptr(), zeros.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
                   k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
     return call.y;
 }
 
-// q (B, 1, heads, d), k and v (B, 1, kv_heads, d): the new position's, as the linear layers
-// give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B'; cos, sin (d) float32.
-at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                               at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t position) {
-    TORCH_CHECK(matvec_available(), "llama_mini::decode_attention: this build has no vector kernels");
-    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(1) == 1 && k.sizes() == v.sizes() &&
-                    k.size(1) == 1 && q.size(0) == k.size(0) && q.size(3) == k.size(3) && k.size(2) >= 1 &&
-                    q.size(2) % k.size(2) == 0,
-                "llama_mini::decode_attention: q (B, 1, heads, d), k and v (B, 1, kv_heads, d)");
-    const int64_t batch = q.size(0), heads = q.size(2), kv_heads = k.size(2), head_dim = q.size(3);
+// q (B, T, heads, d), k and v (B, T, kv_heads, d): the new positions', as the linear layers
+// give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B'; cos, sin (T, d) float32.
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t start) {
+    TORCH_CHECK(matvec_available(), "llama_mini::attention: this build has no vector kernels");
+    TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && k.sizes() == v.sizes() && q.size(0) == k.size(0) &&
+                    q.size(1) == k.size(1) && q.size(3) == k.size(3) && k.size(2) >= 1 && q.size(2) % k.size(2) == 0,
+                "llama_mini::attention: q (B, T, heads, d), k and v (B, T, kv_heads, d)");
+    const int64_t batch = q.size(0), rows = q.size(1), heads = q.size(2), kv_heads = k.size(2), head_dim = q.size(3);
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
                     k_cache.size(0) >= batch && k_cache.size(1) == kv_heads && k_cache.size(3) == head_dim &&
-                    position >= 0 && position < k_cache.size(2) && k_cache.stride(3) == 1 &&
+                    start >= 0 && start + rows <= k_cache.size(2) && k_cache.stride(3) == 1 &&
                     k_cache.stride(2) == head_dim,
-                "llama_mini::decode_attention: a cache (batch, kv_heads, positions, d) holding the position");
+                "llama_mini::attention: a cache (batch, kv_heads, positions, d) holding the positions");
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache})
-        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::decode_attention: one dtype for q, k, v and the cache");
+        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::attention: one dtype for q, k, v and the cache");
     check_float(q, "q");
     TORCH_CHECK(head_dim == 8 || head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128,
-                "llama_mini::decode_attention: head_dim ", head_dim, " is not 8, 16, 32, 64 or 128");
-    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == head_dim &&
-                    sin.numel() == head_dim,
-                "llama_mini::decode_attention: float32 cos and sin of head_dim values");
+                "llama_mini::attention: head_dim ", head_dim, " is not 8, 16, 32, 64 or 128");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == rows * head_dim &&
+                    sin.numel() == rows * head_dim,
+                "llama_mini::attention: float32 cos and sin, head_dim values per position");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     const at::Tensor cosc = cos.contiguous(), sinc = sin.contiguous();
-    at::Tensor out = at::empty({batch, 1, heads, head_dim}, q.options());
-    ::decode_attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(), k_cache.mutable_data_ptr(),
-                       v_cache.mutable_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(),
-                       sinc.const_data_ptr<float>(), batch, heads, kv_heads, head_dim, position, k_cache.stride(0),
-                       k_cache.stride(1), is_bf16(q), threads_for(batch * heads, position + 1, 2 * head_dim));
+    at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
+    const int64_t work = batch * heads * rows * (start + rows) * 2 * head_dim;
+    ::attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(), k_cache.mutable_data_ptr(),
+                v_cache.mutable_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(),
+                sinc.const_data_ptr<float>(), batch, rows, heads, kv_heads, head_dim, start, k_cache.stride(0),
+                k_cache.stride(1), is_bf16(q), work >= PARALLEL_MIN_WORK ? at::get_num_threads() : 1);
     return out;
 }
 
@@ -157,15 +159,15 @@ bool available() { return matvec_available() != 0; }
 
 TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
-    m.def("matvec_dense(Tensor x, Tensor weight) -> Tensor");
-    m.def("matvec_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-    m.def("matvec_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
-    m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
-          "Tensor sin, int position) -> Tensor");
+    m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
+    m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
+    m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
+          "Tensor sin, int start) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
-    m.impl("matvec_dense", llama_mini::dense_op);
-    m.impl("matvec_int8", llama_mini::int8_op);
-    m.impl("matvec_int4", llama_mini::int4_op);
-    m.impl("decode_attention", llama_mini::decode_attention_op);
+    m.impl("linear_dense", llama_mini::dense_op);
+    m.impl("linear_int8", llama_mini::int8_op);
+    m.impl("linear_int4", llama_mini::int4_op);
+    m.impl("attention", llama_mini::attention_op);
 }

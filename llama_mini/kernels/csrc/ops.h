@@ -1,5 +1,5 @@
-// The operators' C++ functions (rms_norm_op.cpp, matvec_op.cpp), declared for decode_layer_op.cpp,
-// which runs a decoding step of a whole layer through them without returning to Python between them.
+// The operators' C++ functions (rms_norm_op.cpp, matvec_op.cpp), declared for block_op.cpp,
+// which runs a whole layer's forward through them without returning to Python between them.
 #pragma once
 #include <ATen/core/Tensor.h>
 
@@ -9,7 +9,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, i
 at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);
 at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros);
-at::Tensor decode_attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
-                               at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t position);
+at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+                        at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t start);
 
 }  // namespace llama_mini

@@ -1,0 +1,228 @@
+// Causal attention over a KV cache on the CPU, in one call: RoPE on the new positions, their
+// keys and values written into the cache, and each query attending to every position up to its
+// own.
+//
+// A decoding step's attention is a few microseconds of work, for which eager torch runs some
+// thirty operations and SDPA's kernel alone spends a hundred or more on bf16 tensors of a CPU.
+// A prompt's is a small share of its time beside the linear layers. Each query is computed
+// alone, in one order that depends only on its position (attend_group): a prompt read in one
+// call or in pieces, or decoded token by token, gets the same numbers, bit for bit. Queries that
+// read one key/value head are computed together, each key and value row read once for all.
+// Rotation and rounding as model.py's; attention in float32, as SDPA computes it, the output
+// rounded once to the input dtype.
+//
+// Plain C++ over raw pointers behind a C ABI (matvec.h), without torch; matvec_op.cpp makes
+// the torch operator. x86-64 with AVX2 and FMA only; elsewhere the entry point is empty.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "matvec.h"
+#include "simd.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+using namespace simd;
+
+// exp of eight floats <= 0 (softmax's scores less their maximum): 2^n exp(r) with |r| <= ln2 / 2,
+// exp(r) by Cephes' degree-6 polynomial, within 2 ulp of expf. Below -88 the result is 0.
+__m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts, exact first
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
+
+// The sums of eight vectors, as the eight lanes of one.
+__m256 hsum8(const __m256* v) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+// Queries computed together: those that read one key/value head (the heads of a GQA group, or
+// successive positions of one head), so that each key and value row is read once for all.
+#ifdef SIMD_WIDE
+constexpr int GROUP = 4;
+#else
+constexpr int GROUP = 1;  // sixteen registers hold one query's accumulators
+#endif
+
+struct Query {
+    const float* q;  // rotated, times 1 / sqrt(head_dim)
+    int64_t positions;  // it attends to positions 0 .. positions - 1
+    float* scores;  // room for positions rounded up to 8
+};
+
+// A row of a key or value head as sixteen-lane chunks; a row of 8 fills half a chunk, with zeros.
+template <int D, typename T> void load_row(const T* p, Floats16* chunks) {
+    if constexpr (D < 16)
+        chunks[0] = Floats16::join(load8(p), _mm256_setzero_ps());
+    else
+        for (int c = 0; c < D / 16; c++) chunks[c] = Floats16::load(p + 16 * c);
+}
+
+// The G queries of `group` (positions ascending), each computed as it would be alone: a score
+// is its key row times q in sixteen lanes, folded to eight and summed pairwise (hsum8, eight
+// positions at a time); the softmax in float32 with exp8; the output sums each position's value
+// row times its weight in order, then divides by the weights' sum, rounded once to T.
+template <int D, int G, typename T>
+void attend_group(const Query* group, const T* k, const T* v, T* const* out) {
+    constexpr int C = (D + 15) / 16;
+    const int64_t most = group[G - 1].positions;
+    Floats16 q[G][C];
+    for (int g = 0; g < G; g++) load_row<D>(group[g].q, q[g]);
+    for (int64_t s0 = 0; s0 < most; s0 += 8) {  // eight positions at a time
+        __m256 folded[G][8];
+        for (int t = 0; t < 8; t++) {
+            Floats16 row[C];
+            if (s0 + t < most) load_row<D>(k + (s0 + t) * D, row);
+            for (int g = 0; g < G; g++) {
+                Floats16 acc = Floats16::zero();
+                if (s0 + t < group[g].positions)
+                    for (int c = 0; c < C; c++) acc = fma(row[c], q[g][c], acc);
+                folded[g][t] = _mm256_add_ps(acc.low(), acc.high());
+            }
+        }
+        for (int g = 0; g < G; g++)
+            if (s0 < group[g].positions) _mm256_storeu_ps(group[g].scores + s0, hsum8(folded[g]));
+    }
+    float inverse[G];
+    for (int g = 0; g < G; g++) {
+        const int64_t positions = group[g].positions, padded = (positions + 7) / 8 * 8;
+        float* scores = group[g].scores;
+        for (int64_t s = positions; s < padded; s++) scores[s] = -INFINITY;
+        float highest = -INFINITY;
+        for (int64_t s = 0; s < positions; s++) highest = std::max(highest, scores[s]);
+        __m256 total = _mm256_setzero_ps();
+        for (int64_t s0 = 0; s0 < padded; s0 += 8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), _mm256_set1_ps(highest)));
+            _mm256_storeu_ps(scores + s0, e);
+            total = _mm256_add_ps(total, e);
+        }
+        inverse[g] = 1.0f / hsum(total);
+    }
+    Floats16 acc[G][C];
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++) acc[g][c] = Floats16::zero();
+    for (int64_t s = 0; s < most; s++) {
+        Floats16 row[C];
+        load_row<D>(v + s * D, row);
+        for (int g = 0; g < G; g++)
+            if (s < group[g].positions) {
+                const Floats16 p = Floats16::all(group[g].scores[s]);
+                for (int c = 0; c < C; c++) acc[g][c] = fma(row[c], p, acc[g][c]);
+            }
+    }
+    alignas(64) float result[C * 16];
+    for (int g = 0; g < G; g++) {
+        for (int c = 0; c < C; c++) {
+            const Floats16 scaled = mul(acc[g][c], Floats16::all(inverse[g]));
+            _mm256_store_ps(result + 16 * c, scaled.low());
+            _mm256_store_ps(result + 16 * c + 8, scaled.high());
+        }
+        for (int d = 0; d < D; d++) store1(out[g] + d, result[d]);
+    }
+}
+
+// attend_group for the first `count` queries of group (1 <= count <= G).
+template <int D, int G = GROUP, typename T>
+void attend_run(int64_t count, const Query* group, const T* k, const T* v, T* const* out) {
+    if constexpr (G > 1)
+        if (count < G) return attend_run<D, G - 1>(count, group, k, v, out);
+    attend_group<D, G>(group, k, v, out);
+}
+
+// x rotated as apply_rotary_emb does: y[j] = x[j] cos[j] + x[j ^ 1] sin[j], each product and
+// the sum rounded to float32 (this file is built without FMA contraction), then to T.
+template <typename T> void rotate(const T* x, T* y, const float* cos, const float* sin, int64_t head_dim) {
+    for (int64_t j = 0; j < head_dim; j++) {
+        const float a = load1(x + j) * cos[j], b = load1(x + (j ^ 1)) * sin[j];
+        store1(y + j, a + b);
+    }
+}
+
+template <int D, typename T>
+void attend(const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out, const float* cos, const float* sin,
+            int64_t batch, int64_t rows, int64_t heads, int64_t kv_heads, int64_t start, int64_t cache_batch_stride,
+            int64_t cache_head_stride, int threads) {
+    // The new positions' keys (rotated) and values into the cache, as KVCache.update stores them.
+    for (int64_t b = 0; b < batch; b++)
+        for (int64_t i = 0; i < rows; i++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                const int64_t from = ((b * rows + i) * kv_heads + g) * D;
+                const int64_t at = b * cache_batch_stride + g * cache_head_stride + (start + i) * D;
+                rotate(k + from, k_cache + at, cos + i * D, sin + i * D, D);
+                std::memcpy(v_cache + at, v + from, D * sizeof(T));
+            }
+    // The queries of each key/value head, row by row, then head by head within its group, in
+    // runs of GROUP: the work items, spread over the threads.
+    const float scale = 1.0f / std::sqrt(static_cast<float>(D));
+    const int64_t per_head = heads / kv_heads, queries = rows * per_head, runs = (queries + GROUP - 1) / GROUP;
+    const int64_t items = batch * kv_heads * runs;
+    const int workers = static_cast<int>(std::clamp<int64_t>(threads, 1, items));
+#pragma omp parallel num_threads(workers)
+    {
+        std::vector<float> q_float(GROUP * D), scores(GROUP * ((start + rows + 7) / 8 * 8));
+        std::vector<T> q_rotated(D);
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < items; item++) {
+            const int64_t run = item % runs, g = item / runs % kv_heads, b = item / runs / kv_heads;
+            const int64_t first = run * GROUP, count = std::min<int64_t>(GROUP, queries - first);
+            Query group[GROUP];
+            T* outs[GROUP];
+            for (int64_t j = 0; j < count; j++) {
+                const int64_t i = (first + j) / per_head, h = g * per_head + (first + j) % per_head;
+                const int64_t row = (b * rows + i) * heads + h;
+                rotate(q + row * D, q_rotated.data(), cos + i * D, sin + i * D, D);
+                for (int64_t d = 0; d < D; d++) q_float[j * D + d] = load1(q_rotated.data() + d) * scale;
+                group[j] = {q_float.data() + j * D, start + i + 1, scores.data() + j * (scores.size() / GROUP)};
+                outs[j] = out + row * D;
+            }
+            const int64_t at = b * cache_batch_stride + g * cache_head_stride;
+            attend_run<D>(count, group, k_cache + at, v_cache + at, outs);
+        }
+    }
+}
+
+}  // namespace
+
+extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
+                          const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
+                          int64_t cache_head_stride, int bf16, int threads) {
+    const auto run = [&]<int D, typename T>(const T*) {
+        attend<D>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(k_cache),
+                  static_cast<T*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads, kv_heads, start,
+                  cache_batch_stride, cache_head_stride, threads);
+    };
+    const auto of_size = [&]<typename T>(const T* type) {
+        switch (head_dim) {  // the head sizes of Llama models; the op checks for one of these
+            case 64: return run.template operator()<64>(type);
+            case 128: return run.template operator()<128>(type);
+            case 32: return run.template operator()<32>(type);
+            case 16: return run.template operator()<16>(type);
+            default: return run.template operator()<8>(type);
+        }
+    };
+    if (bf16) of_size(static_cast<const uint16_t*>(nullptr));
+    else of_size(static_cast<const float*>(nullptr));
+}
+
+#else  // no AVX2: nothing here runs (matvec_available() says so).
+
+extern "C" void attention(const void*, const void*, const void*, void*, void*, void*, const float*, const float*,
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int) {}
+
+#endif

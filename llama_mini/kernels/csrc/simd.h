@@ -1,0 +1,292 @@
+// Vector helpers shared by the matrix-vector kernels (matvec.cpp) and the matrix-matrix ones
+// (matmul.cpp): bfloat16 conversions, sums across lanes, sixteen-lane float and integer
+// vectors, and the split of a matrix's rows among threads.
+//
+// The two files compute the same functions, one for a few rows and one for many, and must
+// agree to the bit: a prompt's logits must not depend on how it was cut into forward calls.
+// So each output's arithmetic is written once, here, and both files call it.
+//
+// Floats16 and Ints16 are sixteen lanes: one 512-bit register on CPUs with AVX-512 (VNNI and
+// the BW/DQ/VL subsets: WIDE), two 256-bit ones with AVX2. The lanes' sums are the same either
+// way; only the instruction count differs.
+#pragma once
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define SIMD_WIDE 1
+#endif
+
+namespace simd {
+
+constexpr int64_t BLOCK = 32;  // activations per int8 block (quant/layers.py's quantized_activations)
+
+inline float bf16_to_float(uint16_t bits) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+// Round to nearest even, NaN stays NaN: what torch's .to(torch.bfloat16) does.
+inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, sizeof u);
+    return f != f ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float load1(const float* p) { return *p; }
+inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+inline void store1(float* p, float v) { *p = v; }
+inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+    const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
+}
+// Eight float32 or bfloat16 values from p + i.
+inline __m256 load8(const void* p, int64_t i, bool bf16) {
+    return bf16 ? load8(static_cast<const uint16_t*>(p) + i) : load8(static_cast<const float*>(p) + i);
+}
+
+inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// Eight floats stored as float32, or rounded to bfloat16 as float_to_bf16 does.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i bits = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    bits = _mm256_blendv_epi8(bits, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// --- Sixteen float lanes ----------------------------------------------------------------------
+
+#ifdef SIMD_WIDE
+struct Floats16 {
+    __m512 v;
+    static Floats16 zero() { return {_mm512_setzero_ps()}; }
+    static Floats16 all(float f) { return {_mm512_set1_ps(f)}; }
+    static Floats16 load(const float* p) { return {_mm512_loadu_ps(p)}; }
+    static Floats16 load(const uint16_t* p) {
+        const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+        return {_mm512_castsi512_ps(_mm512_slli_epi32(widened, 16))};
+    }
+    static Floats16 join(__m256 low, __m256 high) { return {_mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1)}; }
+    __m256 low() const { return _mm512_castps512_ps256(v); }
+    __m256 high() const { return _mm512_extractf32x8_ps(v, 1); }
+};
+inline Floats16 fma(Floats16 a, Floats16 b, Floats16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline Floats16 mul(Floats16 a, Floats16 b) { return {_mm512_mul_ps(a.v, b.v)}; }
+// Keeps v in a register: a value used by several multiply-adds is otherwise read from memory
+// by each of them, and loads, not arithmetic, then bound the loop.
+inline void in_register(Floats16& v) { asm volatile("" : "+v"(v.v)); }
+inline Floats16 add(Floats16 a, Floats16 b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) { return {_mm512_fnmadd_ps(a.v, b.v, c.v)}; }
+#else
+struct Floats16 {
+    __m256 lo, hi;
+    static Floats16 zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+    static Floats16 all(float f) { return {_mm256_set1_ps(f), _mm256_set1_ps(f)}; }
+    template <typename T> static Floats16 load(const T* p) { return {load8(p), load8(p + 8)}; }
+    static Floats16 join(__m256 low, __m256 high) { return {low, high}; }
+    __m256 low() const { return lo; }
+    __m256 high() const { return hi; }
+};
+inline Floats16 fma(Floats16 a, Floats16 b, Floats16 c) {
+    return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline void in_register(Floats16& v) { asm volatile("" : "+x"(v.lo), "+x"(v.hi)); }
+inline Floats16 mul(Floats16 a, Floats16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline Floats16 add(Floats16 a, Floats16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) {
+    return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+#endif
+
+// --- A dense layer's output ---------------------------------------------------------------------
+//
+// Each output of x W^T is a sum over k in sixteen float32 lanes, each adding the products of
+// its inputs in order: inputs j = i (mod 16) in lane i, by fused multiply-adds (DenseStep); or,
+// where both are bfloat16 and the CPU has AVX-512 BF16, the pairs j = 2i, 2i + 1 (mod 32), by
+// vdpbf16ps (exact products, two float32 roundings per pair, subnormals flushed), which does
+// twice the work per instruction. At the end lanes i and i + 8 are added, then the eight sums
+// pairwise (hsum), then the last products one by one.
+
+template <typename X, typename W> struct DenseStep {
+    static constexpr int64_t inputs = 16;
+    using Vector = Floats16;
+    static Floats16 load(const X* p) { return Floats16::load(p); }
+    static Floats16 load_w(const W* p) { return Floats16::load(p); }
+    static Floats16 madd(Floats16 acc, Floats16 w, Floats16 x) { return fma(w, x, acc); }
+};
+
+#if defined(SIMD_WIDE) && defined(__AVX512BF16__)
+template <> struct DenseStep<uint16_t, uint16_t> {
+    static constexpr int64_t inputs = 32;
+    using Vector = __m512bh;
+    static __m512bh load(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+    static __m512bh load_w(const uint16_t* p) { return load(p); }
+    static Floats16 madd(Floats16 acc, __m512bh w, __m512bh x) { return {_mm512_dpbf16_ps(acc.v, x, w)}; }
+};
+inline void in_register(__m512bh& v) { asm volatile("" : "+v"(v)); }
+#endif
+
+// The sum of a dense output's sixteen lanes, then its tail of inputs [from, k).
+template <typename X, typename W>
+float dense_finish(Floats16 acc, const X* x, const W* w, int64_t from, int64_t k) {
+    float sum = hsum(_mm256_add_ps(acc.low(), acc.high()));
+    for (int64_t t = from; t < k; t++) sum += load1(w + t) * load1(x + t);
+    return sum;
+}
+
+// --- Sixteen integer lanes: the rows of two sets of eight -----------------------------------------
+//
+// int8 and int4 weights are held in sets of eight rows, interleaved (quant/layout.py): one
+// 32-byte run holds four inputs of each of the set's eight rows. Two sets side by side fill
+// sixteen int32 lanes, one per row; four activations, broadcast to every lane, multiply them.
+
+#ifdef SIMD_WIDE
+struct Ints16 {
+    __m512i v;
+    static Ints16 all(int32_t i) { return {_mm512_set1_epi32(i)}; }
+    static Ints16 load(const void* first, const void* second) {
+        const __m256i a = _mm256_loadu_si256(static_cast<const __m256i*>(first));
+        const __m256i b = _mm256_loadu_si256(static_cast<const __m256i*>(second));
+        return {_mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1)};
+    }
+};
+inline Floats16 to_float(Ints16 a) { return {_mm512_cvtepi32_ps(a.v)}; }
+#else
+struct Ints16 {
+    __m256i lo, hi;
+    static Ints16 all(int32_t i) { return {_mm256_set1_epi32(i), _mm256_set1_epi32(i)}; }
+    static Ints16 load(const void* first, const void* second) {
+        return {_mm256_loadu_si256(static_cast<const __m256i*>(first)), _mm256_loadu_si256(static_cast<const __m256i*>(second))};
+    }
+};
+inline Floats16 to_float(Ints16 a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+#endif
+
+// Integer products of weights (one run of two sets) with four activations x4 (broadcast).
+//
+// int8: each lane gains the sum of its row's four signed weights times the four activations.
+// With VNNI (vpdpbusd multiplies unsigned by signed bytes) the weights are read as unsigned
+// w + 128, which adds 128 times the activations' sum: a block's sums start from -128 times
+// its activations' sum (int8_block_start) to cancel it. Without, |w| times x with w's sign.
+// Exact either way: a block's sum stays far within int32.
+#ifdef SIMD_WIDE
+inline Ints16 int8_block_start(int32_t activation_sum) { return Ints16::all(-128 * activation_sum); }
+struct Int8Run {  // a run of int8 weights, as int8_dot reads it
+    __m512i unsigned_w;
+};
+inline Int8Run int8_run(Ints16 w) { return {_mm512_xor_si512(w.v, _mm512_set1_epi8(static_cast<char>(0x80)))}; }
+inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
+    return {_mm512_dpbusd_epi32(acc.v, w.unsigned_w, _mm512_set1_epi32(x4))};
+}
+// int4: codes 0..15 (unsigned): each lane gains its row's four codes times the activations.
+using Codes16 = __m512i;
+inline Ints16 u4_dot(Ints16 acc, Codes16 codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes, _mm512_set1_epi32(x4))}; }
+// The low and the high nibbles of a run of int4 codes.
+inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
+    const __m512i mask = _mm512_set1_epi8(0x0F);
+    low = _mm512_and_si512(w.v, mask);
+    high = _mm512_and_si512(_mm512_srli_epi16(w.v, 4), mask);
+}
+#else
+inline Ints16 int8_block_start(int32_t) { return Ints16::all(0); }
+struct Int8Run {  // a run of int8 weights, as int8_dot reads it: |w| and w (for its sign)
+    __m256i abs_lo, abs_hi, lo, hi;
+};
+inline Int8Run int8_run(Ints16 w) { return {_mm256_sign_epi8(w.lo, w.lo), _mm256_sign_epi8(w.hi, w.hi), w.lo, w.hi}; }
+inline __m256i int8_dot8(__m256i acc, __m256i abs_w, __m256i w, __m256i x) {
+    const __m256i products = _mm256_maddubs_epi16(abs_w, _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+}
+inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {int8_dot8(acc.lo, w.abs_lo, w.lo, x), int8_dot8(acc.hi, w.abs_hi, w.hi, x)};
+}
+struct Codes16 {
+    __m256i lo, hi;
+};
+inline Ints16 u4_dot(Ints16 acc, Codes16 codes, int32_t x4) {
+    // codes <= 15 and |x| <= 127: two products fit an int16 before vpmaddwd widens them
+    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(codes.lo, x), ones)),
+            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes.hi, x), ones))};
+}
+inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    low = {_mm256_and_si256(w.lo, mask), _mm256_and_si256(w.hi, mask)};
+    high = {_mm256_and_si256(_mm256_srli_epi16(w.lo, 4), mask), _mm256_and_si256(_mm256_srli_epi16(w.hi, 4), mask)};
+}
+#endif
+
+inline int32_t four_bytes(const int8_t* p) {
+    int32_t x4;
+    std::memcpy(&x4, p, 4);
+    return x4;
+}
+
+// --- An integer layer's output -------------------------------------------------------------------
+//
+// Per block b of 32 inputs, with d the activations' scale and isum the exact integer sum:
+//   int8:  acc += isum * (s_b * d)                           s_b the weight's scale for the block
+//   int4:  acc += isum * (s_g * d);  acc += (d * xsum) * (z_g - 8 s_g)   group g's scale and zero
+// in this order, blocks in order, each step one rounding of float32 (fused multiply-adds).
+
+inline Floats16 int8_block(Floats16 acc, Ints16 isum, Floats16 scales, float d) {
+    return fma(to_float(isum), mul(scales, Floats16::all(d)), acc);
+}
+
+inline Floats16 int4_block(Floats16 acc, Ints16 isum, Floats16 scales, Floats16 zero_offsets, float d, int32_t xsum) {
+    acc = fma(to_float(isum), mul(scales, Floats16::all(d)), acc);
+    return fma(Floats16::all(d * static_cast<float>(xsum)), zero_offsets, acc);
+}
+
+// z - 8 s: what code 0 stands for, less nothing; the offset each block's activation sum meets.
+inline Floats16 int4_zero_offsets(Floats16 scales, Floats16 zeros) { return fnma(Floats16::all(8.0f), scales, zeros); }
+
+// The scales (or zeros) of sets `first` and `second` for group g: (sets, groups, 8) interleaved.
+inline Floats16 set_pair_scales(const void* scales, bool bf16, int64_t first, int64_t second, int64_t groups, int64_t g) {
+    return Floats16::join(load8(scales, (first * groups + g) * 8, bf16), load8(scales, (second * groups + g) * 8, bf16));
+}
+
+// --- Threads ------------------------------------------------------------------------
+
+// Runs body(begin, end) on `threads` bands of [0, n), each a run of whole `unit`-row blocks.
+template <typename Body> void for_row_bands(int64_t n, int threads, const Body& body, int64_t unit) {
+    const int64_t blocks = (n + unit - 1) / unit;
+    const int bands = static_cast<int>(std::clamp<int64_t>(threads, 1, std::max<int64_t>(blocks, 1)));
+#pragma omp parallel for num_threads(bands) schedule(static, 1)
+    for (int t = 0; t < bands; t++)
+        body(std::min(n, blocks * t / bands * unit), std::min(n, blocks * (t + 1) / bands * unit));
+}
+
+}  // namespace simd
+
+#endif  // AVX2 and FMA
