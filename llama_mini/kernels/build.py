@@ -35,7 +35,7 @@ from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "matvec_op.cpp", "block_op.cpp")]
-HEADERS = [CSRC / name for name in ("rms_norm.h", "matvec.h", "simd.h", "ops.h")]
+HEADERS = [CSRC / name for name in ("bf16.h", "rms_norm.h", "matvec.h", "simd.h", "ops.h")]
 LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
 if platform.machine().lower() in ("x86_64", "amd64"):

@@ -38,6 +38,7 @@
 #include <unistd.h>
 #endif
 
+#include "bf16.h"
 #include "rms_norm.h"
 
 namespace {
@@ -57,18 +58,8 @@ template <> struct io<f16> {
     static f16 store(float v) { return static_cast<f16>(v); }
 };
 template <> struct io<bf16> {
-    static float load(bf16 v) {
-        uint32_t u = static_cast<uint32_t>(v.bits) << 16;
-        float f;
-        std::memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    static bf16 store(float f) {
-        uint32_t u;
-        std::memcpy(&u, &f, sizeof u);
-        uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-        return bf16{static_cast<uint16_t>(f != f ? 0x7FC0u : rounded)};
-    }
+    static float load(bf16 v) { return bf16_to_float(v.bits); }
+    static bf16 store(float f) { return bf16{float_to_bf16(f)}; }
 };
 
 template <typename T> using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;

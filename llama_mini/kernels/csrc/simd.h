@@ -1,10 +1,10 @@
-// Vector helpers shared by the matrix-vector kernels (matvec.cpp) and the matrix-matrix ones
-// (matmul.cpp): bfloat16 conversions, sums across lanes, sixteen-lane float and integer
-// vectors, and the split of a matrix's rows among threads.
+// Vector helpers shared by the linear layers (matvec.cpp) and attention (attention.cpp): sums
+// across lanes, sixteen-lane float and integer vectors, and the split of a matrix's rows among
+// threads.
 //
-// The two files compute the same functions, one for a few rows and one for many, and must
-// agree to the bit: a prompt's logits must not depend on how it was cut into forward calls.
-// So each output's arithmetic is written once, here, and both files call it.
+// A tile of any size, a prompt's chunk and a decoding step sum each output through these
+// helpers in the same order, so a prompt's logits do not depend on how it was cut into forward
+// calls or on the other rows of its batch.
 //
 // Floats16 and Ints16 are sixteen lanes: one 512-bit register on CPUs with AVX-512 (VNNI and
 // the BW/DQ/VL subsets: WIDE), two 256-bit ones with AVX2. The lanes' sums are the same either
@@ -18,6 +18,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define SIMD_WIDE 1
@@ -26,20 +28,6 @@
 namespace simd {
 
 constexpr int64_t BLOCK = 32;  // activations per int8 block (quant/layers.py's quantized_activations)
-
-inline float bf16_to_float(uint16_t bits) {
-    const uint32_t u = static_cast<uint32_t>(bits) << 16;
-    float f;
-    std::memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-// Round to nearest even, NaN stays NaN: what torch's .to(torch.bfloat16) does.
-inline uint16_t float_to_bf16(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, sizeof u);
-    return f != f ? 0x7FC0 : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
