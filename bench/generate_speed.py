@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/fixtures.py: where the shared fixtures are
+from fixtures import LLAMA2_TOKENIZER  # noqa: E402
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
 from llama_mini.generation import decode_one_token  # noqa: E402
 from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
@@ -60,7 +61,6 @@ SIZES = {
 VARIANTS = ("fp32", "bf16", "int8", "int4")  # llama_mini's
 TRANSFORMERS = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LLAMA_CPP = {"fp32": "f32", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}  # the GGUF type of matching bytes per weight
-LLAMA2_TOKENIZER = ROOT.parent / "shared" / "fixtures" / "llama2-tokenizer.model"
 
 
 COPY_BYTES = 1 << 29  # far past the last-level cache, and small beside the models

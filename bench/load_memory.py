@@ -33,11 +33,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # tests/fixtures.py: where the shared fixtures are
+from fixtures import LLAMA2_TOKENIZER  # noqa: E402
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint  # noqa: E402
 from llama_mini.quant import QUANTIZATIONS, parameter_count  # noqa: E402
 
-FIXTURE_TOKENIZER = Path("/work/shared/fixtures/llama2-tokenizer.model")
 LLAMA2_7B = {"dim": 4096, "multiple_of": 256, "n_heads": 32, "n_layers": 32, "norm_eps": 1e-05, "vocab_size": -1}
 
 
@@ -55,8 +56,8 @@ def write_checkpoint(folder: Path) -> Path:
     """Meta's llama-2-7b layout, filled with N(0, 0.02) weights and unit norm weights."""
     folder.mkdir(parents=True, exist_ok=True)
     params = dict(LLAMA2_7B)
-    if FIXTURE_TOKENIZER.is_file():
-        shutil.copyfile(FIXTURE_TOKENIZER, folder / "tokenizer.model")
+    if LLAMA2_TOKENIZER.is_file():
+        shutil.copyfile(LLAMA2_TOKENIZER, folder / "tokenizer.model")
     else:
         params["vocab_size"] = 32000
     (folder / "params.json").write_text(json.dumps(params))
