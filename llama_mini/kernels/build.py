@@ -41,8 +41,8 @@ CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++2
 if platform.machine().lower() in ("x86_64", "amd64"):
     # gcc's default of 256-bit vectors leaves half of an AVX-512 register idle in these loops.
     CXX_FLAGS.append("-mprefer-vector-width=512")
-BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (up to a minute)"
-REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} do not load; compiling them again (up to a minute)"
+BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (a minute or two)"
+REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} do not load; compiling them again (a minute or two)"
 
 
 def cache_dir() -> Path:
