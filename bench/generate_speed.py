@@ -85,7 +85,7 @@ def weight_bytes_per_token(model) -> int:
 
 def llama_mini_variants(base: Transformer) -> dict:
     """fp32 (base itself), bf16, int8 and int4 (quantized from base's fp32 weights) models, on
-    the decoding kernels, as generate.py runs them. No more copies than that: at 1B, every
+    the CPU kernels, as generate.py runs them. No more copies than that: at 1B, every
     implementation's models together nearly fill a 24 GiB machine."""
     variants = {"bf16": copy.deepcopy(base).to(torch.bfloat16),
                 "int8": quantize(copy.deepcopy(base), "int8").to(torch.bfloat16),

@@ -47,7 +47,7 @@ def operators():
             _self_check(ops)
         return ops
     except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        log.warning("llama_mini: decoding kernels unavailable (%s); using torch's", (str(e).splitlines() or ["?"])[0])
+        log.warning("llama_mini: CPU kernels unavailable (%s); using torch's", (str(e).splitlines() or ["?"])[0])
         return None
 
 

@@ -115,7 +115,7 @@ def needs_kernels():
 
 
 def layer_pair(layer):
-    """layer, and a copy on the decoding kernels (use_matvec's subclass, the same buffers)."""
+    """layer, and a copy on the CPU kernels (use_matvec's subclass, the same buffers)."""
     fast = copy.deepcopy(layer)
     use_matvec(fast)
     return layer, fast
