@@ -15,12 +15,12 @@ import itertools
 import sys
 import time
 
-from llama_mini.cli import check_context, check_number, flag, run_main
+from llama_mini.cli import KERNELS, check_context, check_number, flag, run_main
 from llama_mini.device import DTYPES, bfloat16_notice, pick_device
 from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
 from llama_mini.kernels import on_kernels, use_fused_rmsnorm, use_matvec
-from llama_mini.quant import QUANTIZATIONS, parameter_count
+from llama_mini.quant import QUANTIZATIONS, parameter_count, quantized_notice
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
 # Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
@@ -47,6 +47,8 @@ def parse_args(argv=None):
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
     p.add_argument("--device", help="default: cuda, else mps, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="auto: llama_mini's CPU kernels where they run (default); off: model.py's own code")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
     check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, name=flag)
@@ -181,10 +183,12 @@ def main(argv=None) -> None:
     )
     if args.compile:
         model.compile(dynamic=True)
-    elif device.type == "cpu":
+    elif device.type == "cpu" and args.kernels == "auto":
         use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
     if not on_kernels(model) and (notice := bfloat16_notice(device, model.tok_embeddings.weight.dtype, "--dtype")):
         print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
+    if quantization and not args.compile and not on_kernels(model) and (notice := quantized_notice(model)):
+        print(notice, file=sys.stderr)
 
     if args.chat:
         return chat(model, tokenizer, args)

@@ -13,6 +13,9 @@ Every number a flag takes is checked as soon as it is parsed, before any work, b
 import math
 import sys
 
+# --kernels: auto runs llama_mini's CPU kernels where they build, off the plain model.py code.
+KERNELS = ("auto", "off")
+
 # RoPE positions are float32, exact integers up to 2**24; a context beyond that (Llama-3.1's
 # is 131,072 tokens) is a typo, not a wish.
 MAX_CONTEXT = 1 << 24

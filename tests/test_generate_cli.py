@@ -2,12 +2,14 @@
 
 import io
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from llama2c_files import export_sentencepiece
 from generate_cli_helpers import (
-    LLAMA2_TOKENIZER as LLAMA2_TOKENIZER, assert_clean_error, expected_samples, favour_token, load_cli, run,
+    LLAMA2_TOKENIZER as LLAMA2_TOKENIZER, ROOT, assert_clean_error, expected_samples, favour_token, load_cli, run,
     run_in_process,
 )
 
@@ -213,3 +215,28 @@ def test_bf16_off_the_kernels_on_a_cpu_without_fast_bf16_products_says_what_it_c
     note = ("note: on this CPU torch multiplies bfloat16 matrices 15x slower than float32 ones (it has no AVX-512 "
             "BF16 or AMX); --dtype float32 runs faster here")
     assert capsys.readouterr().err.count(note) == (not on_kernels)
+
+
+def test_kernels_off_runs_model_pys_own_code_and_gives_transformers_greedy_tokens(tmp_path):
+    """--kernels off: the plain model, nothing compiled or loaded (an empty kernel cache and a
+    compiler that fails stay untouched), and the greedy text of transformers' reading of the weights."""
+    transformers = pytest.importorskip("transformers")
+    from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict
+
+    fixture = require(LLAMA2_TOKENIZER)
+    torch.manual_seed(3)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32000, multiple_of=32, max_seq_len=128)).eval()
+    save_checkpoint(model, tmp_path / "ckpt", tokenizer_path=fixture)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_from_args(model.args))).eval()
+    theirs.load_state_dict(to_hf_state_dict(model.state_dict(), model.args), strict=False)
+    theirs.generation_config.eos_token_id = None
+    tokenizer = open_tokenizer(fixture)
+    prompt = tokenizer.encode("Hello", bos=True)
+    expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=30, do_sample=False, pad_token_id=0)[0].tolist()
+    env = {"LLAMA_MINI_CACHE": str(tmp_path / "cache"), "CXX": "/bin/false"}
+    result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(tmp_path / "ckpt"), "--prompt", "Hello",
+                             "--max-new-tokens", "30", "--temperature", "0", "--kernels", "off"],
+                            capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT, timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == tokenizer.decode(expected) + "\n"
+    assert "llama_mini:" not in result.stderr and not (tmp_path / "cache").exists()

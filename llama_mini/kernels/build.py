@@ -34,15 +34,57 @@ import torch
 from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "matvec_op.cpp", "block_op.cpp")]
+SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "swiglu.cpp", "matvec_op.cpp", "block_op.cpp")]
 HEADERS = [CSRC / name for name in ("bf16.h", "rms_norm.h", "matvec.h", "simd.h", "ops.h")]
 LIBRARY = "cpu_kernels"
-CXX_FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
-if platform.machine().lower() in ("x86_64", "amd64"):
-    # gcc's default of 256-bit vectors leaves half of an AVX-512 register idle in these loops.
-    CXX_FLAGS.append("-mprefer-vector-width=512")
+CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]
+
+# The instruction sets the kernels can be built for ($LLAMA_MINI_ISA; default native, this CPU's
+# own): each x86-64 variant, with the CPU flags (/proc/cpuinfo's names) it needs to run. The
+# kernels have three code paths (csrc/simd.h): AVX-512 with VNNI (and BF16's dot products where
+# present), AVX2 with FMA, and none (x86-64: the norm alone, the layers on torch's code). A
+# machine with AVX-512 builds and tests every variant below its own.
+AVX512 = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+X86_64_V3 = ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe", "abm")
+ISAS = {
+    "avx512-bf16": (["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"], AVX512 + ("avx512_bf16",)),
+    "avx512": (["-march=x86-64-v4", "-mavx512vnni"], AVX512),
+    "avx2": (["-march=x86-64-v3"], X86_64_V3),
+    "x86-64": (["-march=x86-64"], ()),
+}
 BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (a minute or two)"
 REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} do not load; compiling them again (a minute or two)"
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for: $LLAMA_MINI_ISA, else native."""
+    name = os.environ.get("LLAMA_MINI_ISA") or "native"
+    if name != "native" and name not in ISAS:
+        raise RuntimeError(f"LLAMA_MINI_ISA={name} is not one of native, {', '.join(ISAS)}")
+    return name
+
+
+def isa_flags(name: str) -> list:
+    """The compiler's flags for instruction set `name`."""
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if name == "native":
+        # gcc's default of 256-bit vectors leaves half of an AVX-512 register idle in these loops.
+        return ["-march=native", "-mprefer-vector-width=512"] if x86 else ["-march=native"]
+    if not x86:
+        raise RuntimeError(f"LLAMA_MINI_ISA={name} is an x86-64 instruction set; this CPU is {platform.machine()}")
+    flags, needs = ISAS[name]
+    return flags + ["-mprefer-vector-width=512"] if "avx512f" in needs else flags
+
+
+def runnable_isas() -> list:
+    """The instruction sets of ISAS this CPU executes (none but native off x86-64)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []
+    try:
+        flags = set(next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return []
+    return [name for name, (_, needs) in ISAS.items() if flags.issuperset(needs)]
 
 
 def cache_dir() -> Path:
@@ -92,7 +134,7 @@ def _build_key(cxx: str) -> str:
     h = hashlib.sha256()
     for path in (*SOURCES, *HEADERS):
         h.update(path.read_bytes())
-    h.update(" ".join(CXX_FLAGS).encode())
+    h.update(" ".join(CXX_FLAGS + isa_flags(isa())).encode())
     h.update(f"{torch.__version__} {Path(torch.__file__).parent} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
     h.update(subprocess.run([cxx, "--version"], capture_output=True).stdout)
     h.update(platform.machine().encode())
@@ -171,7 +213,7 @@ def build(force: bool = False) -> Path:
 
 def _compile(cxx: str, out: Path) -> None:
     """Compile the sources into out, and load it in a child process: the binary is trusted only then."""
-    command = [cxx, *CXX_FLAGS, *map(str, SOURCES), "-o", str(out), *_torch_flags()]
+    command = [cxx, *CXX_FLAGS, *isa_flags(isa()), *map(str, SOURCES), "-o", str(out), *_torch_flags()]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if result.returncode < 0:  # killed (out of memory, say): not the build's fault, so not remembered
         raise subprocess.SubprocessError(f"{Path(cxx).name} {_exit_status(result.returncode)} while compiling the CPU kernels")

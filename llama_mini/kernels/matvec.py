@@ -21,6 +21,7 @@ import functools
 import logging
 import subprocess
 import weakref
+from typing import Optional
 
 import torch
 from torch import nn
@@ -112,21 +113,59 @@ FASTER = {nn.Linear: MatvecLinear, Int8Linear: MatvecInt8Linear, Int4Linear: Mat
 def use_matvec(model: nn.Module) -> nn.Module:
     """Run model's linear layers and decoding steps on the kernels; returns model.
 
-    Each nn.Linear, Int8Linear, Int4Linear and TransformerBlock of model gets the subclass of
-    FASTER as its class: the module keeps its parameters, buffers and state-dict names, and gains
-    the kernels' fast path. Builds or loads the kernels now (a first build says so), not at the
-    first token; where they cannot run, model is left as it is.
+    Each nn.Linear, Int8Linear and Int4Linear of model, and each TransformerBlock the kernels
+    can run (block_refusal), gets the subclass of FASTER as its class: the module keeps its
+    parameters, buffers and state-dict names, and gains the kernels' fast path. A block they
+    cannot run keeps the model's own code, and one line says which and why. Builds or loads the
+    kernels now (a first build says so), not at the first token; where they cannot run, model
+    is left as it is.
     """
     if operators() is None:
         return model
+    refused = {}
     for module in model.modules():
+        if isinstance(module, TransformerBlock) and (why := block_refusal(module, _compute_dtype(module))):
+            refused[module], module.__class__ = why, TransformerBlock
+            continue
         module.__class__ = FASTER.get(type(module), type(module))
+    if refused:
+        log.warning("llama_mini: %s", _describe_refusals(model, refused))
     return model
 
 
 def on_kernels(model: nn.Module) -> bool:
-    """Whether use_matvec put model's blocks on the kernels."""
-    return any(isinstance(module, KernelBlock) for module in model.modules())
+    """Whether use_matvec put every transformer block of model (or model, a block) on the kernels."""
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    return bool(blocks) and all(isinstance(block, KernelBlock) for block in blocks)
+
+
+def _compute_dtype(block) -> torch.dtype:
+    """The dtype a block computes in: its norms' (the model's dtype, the quantized layers' included)."""
+    floats = [t for t in (*block.parameters(), *block.buffers()) if t.is_floating_point()]
+    norm = getattr(block.attention_norm, "weight", None)
+    return norm.dtype if norm is not None else floats[0].dtype if floats else torch.float32
+
+
+def _describe_refusals(model, refused: dict) -> str:
+    """One line: the blocks (numbered as in model.layers) that run torch's code, and why."""
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    by_reason = {}
+    for block, why in refused.items():
+        by_reason.setdefault(why, []).append(blocks.index(block))
+    which = "; ".join(f"block{'s' if len(numbers) > 1 else ''} {_ranges(numbers)} ({why})" for why, numbers in by_reason.items())
+    return (f"torch's code runs {which} of {len(blocks)}, not the CPU kernels: slower, and a prompt's numbers "
+            "then depend on how it is read")
+
+
+def _ranges(numbers) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    numbers, runs = sorted(numbers), []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def kernel_operands(linear):
@@ -143,12 +182,49 @@ def kernel_operands(linear):
     return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None
 
 
-HEAD_DIMS = (8, 16, 32, 64, 128)  # the head sizes the attention kernel takes
+MAX_HEAD_DIM = 256  # the attention kernel takes head sizes that are multiples of 8 up to this (csrc/attention.cpp)
+LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
+
+
+def block_refusal(block, dtype) -> Optional[str]:
+    """Why the kernels cannot run `block` computing in `dtype`, in a few words; None where they can."""
+    if dtype not in FLOATS:
+        return f"the kernels compute in float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+    head_dim = block.attention.head_dim
+    if head_dim % 8 or head_dim > MAX_HEAD_DIM:
+        return f"head size {head_dim}: the kernels take multiples of 8 up to {MAX_HEAD_DIM}"
+    for norm in (block.attention_norm, block.ffn_norm):
+        if not isinstance(norm, RMSNorm):
+            return f"its norm is {type(norm).__name__}, and the kernels run RMSNorm"
+        if norm.n_rms != norm.weight.shape[0]:
+            return "its norm is a partial RMSNorm, and the kernels run RMSNorm over the whole row"
+        if norm.weight.dtype != dtype:
+            return f"its norms hold {norm.weight.dtype} weights in a {dtype} model"
+    if block.attention_norm.eps != block.ffn_norm.eps:
+        return "its two norms have different eps"
+    for name in LINEARS:
+        linear = block.get_submodule(name)
+        if kernel_operands(linear) is None:
+            return f"{name} is {_layer_kind(linear)}, which the kernels do not take"
+    if cpu_kernel()[0] is None:
+        return f"the fused RMSNorm does not load: {cpu_kernel()[1]}"
+    return None
+
+
+def _layer_kind(linear) -> str:
+    shape = f"{getattr(linear, 'in_features', '?')} -> {getattr(linear, 'out_features', '?')}"
+    if isinstance(linear, Int8Linear):
+        return f"int8 of shape {shape} (the kernels take outputs in sets of 8 and inputs in blocks of 32)"
+    if isinstance(linear, nn.Linear) and linear.bias is not None:
+        return "a linear layer with a bias"
+    if isinstance(linear, nn.Linear) and linear.weight.dtype not in FLOATS:
+        return f"a {linear.weight.dtype} layer"
+    return f"a {type(linear).__name__} whose tensors are not each one piece of memory"
 
 
 def block_on_kernels(block, x, cos, sin, start_pos: int):
     """A block's forward on the kernels: the norms, the seven products, RoPE, the cache write,
-    attention and the residual adds of x's positions, in one call (the operator
+    attention, SwiGLU and the residual adds of x's positions, in one call (the operator
     llama_mini::block, csrc/block_op.cpp). Without a KV cache (a whole sequence from position 0)
     the keys and values go to a temporary one. None where the kernels cannot run the block:
     the model's own code then runs, and says what is wrong if anything is."""
@@ -185,22 +261,13 @@ _layer_operands = weakref.WeakKeyDictionary()
 def _gather_operands(block, dtype):
     """(whether any of them requires grad, the operator's operands for `block` computing in
     `dtype` but the cache, cos, sin and the position); the operands are None where the kernels
-    do not run the block (other norms, head sizes or dtypes, layers without kernel operands)."""
-    attention = block.attention
-    if dtype not in FLOATS or attention.head_dim not in HEAD_DIMS:
+    do not run the block (block_refusal)."""
+    if block_refusal(block, dtype) is not None:
         return False, None
     norms = (block.attention_norm, block.ffn_norm)
-    if not all(isinstance(norm, RMSNorm) and norm.n_rms == norm.weight.shape[0] and norm.weight.dtype == dtype for norm in norms):
-        return False, None
-    ffn = block.feed_forward
-    linears = (attention.wq, attention.wk, attention.wv, attention.wo, ffn.w1, ffn.w2, ffn.w3)
-    operands = [kernel_operands(linear) for linear in linears]
-    rms_norm = cpu_kernel()[0]
-    if None in operands or rms_norm is None or norms[0].eps != norms[1].eps:
-        return False, None
-    weights, scales, zeros = zip(*operands)
+    weights, scales, zeros = zip(*(kernel_operands(block.get_submodule(name)) for name in LINEARS))
     trainable = any(t is not None and t.requires_grad for t in (norms[0].weight, norms[1].weight, *weights, *scales, *zeros))
-    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, rms_norm.vector_bytes, weights, scales, zeros)
+    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, cpu_kernel()[0].vector_bytes, weights, scales, zeros)
 
 
 # --- Known answers at load ---------------------------------------------------------------------

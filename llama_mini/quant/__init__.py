@@ -12,6 +12,9 @@ in config.json that says how (quantization_record); empty_quantized_model builds
 to load them into without ever holding full-precision weights.
 """
 
+import time
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -87,6 +90,41 @@ def upgrade_int8_layout(state: dict, expected: dict) -> None:
                 state[name] = tensor[:, None].repeat(1, want.shape[1])
             elif want.shape[0] * ROW_SET == tensor.shape[0]:  # sets of eight: (out / 8, blocks * 8)
                 state[name] = interleave_rows(tensor[:, None].repeat(1, want.shape[1] // ROW_SET))
+
+
+def quantized_notice(model: nn.Module, flag: str = "--quantize") -> Optional[str]:
+    """One line where model's integer layers compute slower than the float layers they stand
+    for, on this device, as they run (off the CPU kernels, each call dequantizes its weight): the
+    measured cost, and that they save memory rather than time; None where they cost nothing or
+    model holds none."""
+    layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))), None)
+    if layer is None or (slowdown := quantized_slowdown(layer)) < 1.5:
+        return None
+    method = "int8" if isinstance(layer, Int8Linear) else "int4"
+    return (f"note: here {method} layers take {slowdown:.0f}x the time of float ones in a decoding step (off the CPU "
+            f"kernels each step dequantizes them): {flag} {method} saves memory, not time (--compile narrows the gap)")
+
+
+def quantized_slowdown(layer: nn.Module) -> float:
+    """How many times longer `layer` takes than a float layer of its weights (its dequantized
+    weight, in its scales' dtype) for one row, on its device: measured, a few milliseconds."""
+    x = torch.randn(1, 1, layer.in_features, device=layer.scales.device, dtype=layer.scales.dtype)
+    with torch.inference_mode():
+        weight = layer.dequantize()
+
+        def fastest(step) -> float:
+            times = []
+            for _ in range(4):
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                step()
+                if x.is_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            return min(times[1:])
+
+        return fastest(lambda: layer(x)) / fastest(lambda: torch.nn.functional.linear(x, weight))
 
 
 def parameter_count(model: nn.Module) -> int:

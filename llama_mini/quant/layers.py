@@ -88,11 +88,15 @@ class Int8Linear(nn.Module):
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         """W (out_features, in_features), computed in float32, in dtype (default: the scales')."""
-        scales = self.block_scales().float().repeat_interleave(BLOCK, dim=1)[:, : self.in_features]
-        return (self.codes().float() * scales).to(dtype or self.scales.dtype)
+        codes, scales = self.codes(), self.block_scales().float()
+        if self.in_features % BLOCK:  # a shorter last block
+            w = codes.float() * scales.repeat_interleave(BLOCK, dim=1)[:, : self.in_features]
+        else:  # each block of codes times its scale, in one operation
+            w = torch.mul(codes.view(self.out_features, -1, BLOCK), scales[..., None]).view(self.out_features, self.in_features)
+        return w.to(dtype or self.scales.dtype)
 
     def forward(self, x):
-        return float32_linear(quantized_activations(x), self.dequantize(torch.float32)).to(x.dtype)
+        return quantized_linear(self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8 per block of {BLOCK}"
@@ -128,17 +132,25 @@ class Int4Linear(nn.Module):
         return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        """W (out_features, in_features), computed in float32, in dtype (default: the scales')."""
+        """W (out_features, in_features), computed in float32 as (q - 8) * scale + zero, in dtype
+        (default: the scales'), group by group."""
         scales, zeros = self.group_scales_and_zeros()
-        codes = self.codes().float().unflatten(-1, (-1, self.group_size))
-        w = (codes - 8) * scales.float()[..., None] + zeros.float()[..., None]
-        return w.flatten(-2).to(dtype or scales.dtype)
+        w = torch.add(self.codes().view(self.out_features, -1, self.group_size), -8.0)
+        w.mul_(scales.float()[..., None]).add_(zeros.float()[..., None])
+        return w.view(self.out_features, self.in_features).to(dtype or scales.dtype)
 
     def forward(self, x):
-        return float32_linear(quantized_activations(x), self.dequantize(torch.float32)).to(x.dtype)
+        return quantized_linear(self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor:
+    """An integer layer's function, computed directly: quantized_activations(x) W^T in float32,
+    with W dequantized for the call, in x's dtype. Off the CPU kernels this is what runs: a pass
+    over the codes to make W, then the float product (quantized_layer_cost measures what it costs)."""
+    return float32_linear(quantized_activations(x), layer.dequantize(torch.float32)).to(x.dtype)
 
 
 def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:

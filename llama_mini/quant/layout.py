@@ -22,9 +22,11 @@ def pack_int8(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int8's inverse: (n / 8, 8 k) -> (n, k)."""
+    """pack_int8's inverse: (n / 8, 8 k) -> (n, k). The four bytes of a row's run move as one
+    int32, so the copy moves a quarter as many elements."""
     sets, k = packed.shape[0], packed.shape[1] // ROW_SET
-    return packed.reshape(sets, k // 4, ROW_SET, 4).transpose(1, 2).reshape(sets * ROW_SET, k)
+    runs = packed.contiguous().view(torch.int32).view(sets, k // 4, ROW_SET)
+    return runs.transpose(1, 2).contiguous().view(torch.int8).view(sets * ROW_SET, k)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
@@ -36,11 +38,12 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int4's inverse: (n / 8, 4 k) bytes -> codes (n, k)."""
+    """pack_int4's inverse: (n / 8, 4 k) bytes -> codes (n, k). A row's four bytes of a run are
+    read as one int32: its low nibbles are inputs 8c..8c+3, its high ones 8c+4..8c+7."""
     sets, k = packed.shape[0], packed.shape[1] // 4
-    bytes_ = packed.reshape(sets, k // BLOCK, 4, ROW_SET, 4)  # set, block, run, row, u
-    nibbles = torch.stack((bytes_ & 0xF, bytes_ >> 4), dim=-2)  # set, block, run, row, high?, u
-    return nibbles.permute(0, 3, 1, 2, 4, 5).reshape(sets * ROW_SET, k)
+    runs = packed.contiguous().view(torch.int32).view(sets, k // BLOCK, 4, ROW_SET).permute(0, 3, 1, 2)  # set, row, block, run
+    low, high = runs & 0x0F0F0F0F, (runs >> 4) & 0x0F0F0F0F
+    return torch.stack((low, high), dim=-1).view(torch.uint8).view(sets * ROW_SET, k)
 
 
 def interleave_rows(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..cli import check_context, check_number, flag
+from ..cli import KERNELS, check_context, check_number, flag
 from ..device import DTYPES
 from ..model import NORMS, ModelArgs
 from .data import corpus_name
@@ -74,6 +74,8 @@ class TrainConfig:
     device: Optional[str] = option(None, "cuda, mps or cpu (default: the first available, in that order)")
     dtype: str = option("auto", "auto: bfloat16 autocast on CUDA, float32 elsewhere", choices=TRAIN_DTYPES)
     compile: bool = option(False, "torch.compile the model")
+    kernels: str = option("auto", "auto: the fused RMSNorm kernel on a CPU, where it builds; off: model.py's own code",
+                          choices=KERNELS)
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):

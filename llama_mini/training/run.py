@@ -67,7 +67,9 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     tokenizer, tokens = _data(cfg, corpus, folder, group, source)
     args = source.args if source else cfg.model_args(tokenizer.n_words)
     torch.manual_seed(cfg.seed)  # the same seed on every process: every replica starts the same
-    raw_model = use_fused_rmsnorm(Transformer(args).to(device))
+    raw_model = Transformer(args).to(device)
+    if cfg.kernels == "auto":
+        use_fused_rmsnorm(raw_model)
     model = wrap_model(raw_model, group, device, cfg.fsdp, cfg.compile)
     optimizer = configure_optimizer(raw_model, cfg, device)
     trainer = Trainer(cfg, raw_model, model, optimizer, tokens, group, device, folder, tokenizer, corpus)

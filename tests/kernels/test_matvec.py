@@ -90,37 +90,6 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
         ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
 
 
-# The kernels built without AVX-512, in a child process (one build per machine, cached).
-AVX2_BUILD = r"""
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-from llama_mini.kernels import build
-build.CXX_FLAGS = [flag for flag in build.CXX_FLAGS if "vector-width" not in flag] + ["-mno-avx512f", "-mno-avxvnni"]
-from llama_mini.kernels import matvec
-from linear_outputs import linear_outputs
-ops = matvec.operators()
-torch.save(None if ops is None else linear_outputs(ops), sys.argv[2])
-"""
-
-
-def test_the_avx2_build_gives_this_cpus_numbers_bit_for_bit(ops, tmp_path):
-    """Where the kernels run 512-bit registers (AVX-512 with VNNI), an AVX2 CPU runs two 256-bit
-    halves: each output's sums are the same, so the linear layers give the same numbers on either
-    (bf16 x bf16 aside, which uses AVX-512 BF16's dot products where the CPU has them)."""
-    from linear_outputs import linear_outputs
-
-    cpu = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    if not all(f" {flag}" in cpu for flag in ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")):
-        pytest.skip("this CPU's build is the AVX2 one")
-    result = subprocess.run([sys.executable, "-c", AVX2_BUILD, str(Path(__file__).parent), str(tmp_path / "avx2.pt")],
-                            capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert result.returncode == 0, result.stderr
-    theirs = torch.load(tmp_path / "avx2.pt")
-    assert theirs is not None, "the AVX2 build has no kernels"
-    ours = linear_outputs(ops)
-    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
-
-
 # --- Attention over the cache -------------------------------------------------------------------
 
 
@@ -153,6 +122,95 @@ def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, 
         close(got, expected, dtype)
 
 
+@pytest.mark.parametrize("head_dim", [8, 24, 48, 80, 96, 256])  # llama2.c's 8 and 48; a multiple of 8, not 16; Gemma's 256
+def test_attention_takes_every_head_size_that_is_a_multiple_of_8(ops, head_dim):
+    test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, torch.float32, 4, 2, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
+    """A NaN score makes its query's softmax NaN: the queries that see the key, and no other."""
+    args = ModelArgs(dim=128, n_heads=2, n_kv_heads=1, vocab_size=8, max_seq_len=64)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 12, 2, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 12, 1, 64, generator=g).to(dtype) for _ in range(2))
+    k[0, 5, 0, 7] = float("nan")
+    cos, sin = rope_cos_sin(args, 0, 12)
+    cache = KVCache(1, 16, 1, 64, "cpu", dtype)
+    got = ops.attention(q, k, v, cache.k, cache.v, cos, sin, 0)
+    rq, rk = apply_rotary_emb(q, cos, sin).transpose(1, 2), apply_rotary_emb(k, cos, sin).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(rq, rk, v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    assert torch.equal(got.isnan(), expected.isnan()) and got[0, 5:].isnan().all() and not got[0, :5].isnan().any()
+    close(got[0, :5], expected[0, :5].double(), dtype)
+    step = ops.attention(q[:, :1], k[:, :1], v[:, :1], cache.k, cache.v, *rope_cos_sin(args, 12, 1), 12)  # a decoding step sees it too
+    assert step.isnan().all()
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
+    """quantized_activations turns a block of 32 holding a NaN or an infinity into NaNs (inf * 0,
+    NaN * anything), so every output of that row is NaN; the other rows are untouched. Wherever
+    the value sits in its block, the first lane, the last, or between."""
+    from llama_mini.quant.layers import Int4Linear, Int8Linear
+
+    g = torch.Generator().manual_seed(0)
+    layer = (Int8Linear if kind == "int8" else Int4Linear).from_weight(torch.randn(16, 96, generator=g).to(dtype))
+    fast = use_matvec(torch.nn.Sequential(copy.deepcopy(layer)))[0]
+    for position in (0, 5, 31, 32, 63, 95):
+        x = torch.randn(3, 96, generator=g).to(dtype)
+        x[1, position] = value
+        with torch.inference_mode():
+            got, expected = fast(x), layer(x)
+        assert got[1].isnan().all() and expected[1].isnan().all(), position
+        assert torch.equal(got[[0, 2]], fast(x[[0, 2]])) and not got[[0, 2]].isnan().any()
+
+
+# A layer without inputs runs in a child process: a division by zero would kill the process.
+NO_INPUTS = r"""
+import torch
+from llama_mini.kernels import matvec, use_matvec
+from llama_mini.quant.layers import Int4Linear, Int8Linear
+ops = matvec.operators()
+layers = [torch.nn.Linear(0, 5, bias=False), Int8Linear.from_weight(torch.empty(8, 0)), Int4Linear.from_weight(torch.empty(8, 0))]
+with torch.inference_mode():
+    for layer in layers:
+        fast = use_matvec(torch.nn.Sequential(layer))[0]
+        for x in (torch.randn(3, 0), torch.randn(2, 4, 0).bfloat16()):
+            assert torch.equal(fast(x), torch.nn.functional.linear(x, torch.zeros(layer.out_features, 0, dtype=x.dtype))), layer
+    assert torch.equal(ops.linear_int8(torch.randn(2, 0), torch.zeros(1, 0, dtype=torch.int8), torch.ones(1, 0)), torch.zeros(2, 8))
+print("zeros")
+"""
+
+
+def test_a_layer_without_inputs_gives_zeros_as_torch_does(ops):
+    result = subprocess.run([sys.executable, "-c", NO_INPUTS], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0 and result.stdout == "zeros\n", (result.returncode, result.stdout + result.stderr)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglus_gate_is_silu_times_b_computed_alike_for_every_element(ops, dtype):
+    """The gate of csrc/swiglu.cpp is F.silu(a) * b within float rounding, and each element's
+    value does not depend on where it sits: alone, at any offset or tensor size, at any thread count."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.randn(50_000, generator=g) * 6).to(dtype)
+    b = torch.randn(50_000, generator=g).to(dtype)
+    a[:4] = torch.tensor([float("nan"), 100.0, -100.0, 0.0]).to(dtype)  # NaN stays NaN; exp's ends
+    got = ops.swiglu(a, b)
+    expected = F.silu(a.double()) * b.double()
+    assert got.dtype == dtype and got[0].isnan() and not got[1:].isnan().any()
+    close(got[1:], expected[1:], dtype)
+    alone = torch.cat([ops.swiglu(a[i:i + 1], b[i:i + 1]) for i in range(1, 300)])
+    assert torch.equal(alone, got[1:300])
+    for size in (1, 7, 15, 16, 17, 172, 200):
+        assert torch.equal(ops.swiglu(a[3:3 + size], b[3:3 + size]), got[3:3 + size]), size
+    for threads in (2, 3, 6):
+        torch.set_num_threads(threads)
+        torch.testing.assert_close(ops.swiglu(a, b), got, rtol=0, atol=0, equal_nan=True, msg=f"{threads} threads")
+    torch.set_num_threads(1)
+
+
 # --- A model on the kernels ------------------------------------------------------------------------
 
 
@@ -176,13 +234,14 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
 
 def block_on_the_operators(ops, block, x, cos, sin, start):
     """TransformerBlock.forward over the cache, written out on the kernels: the block's own norm
-    and linear modules (which run them), and the attention operator."""
-    attention, (batch, rows) = block.attention, x.shape[:2]
+    and linear modules (which run them), the attention operator and SwiGLU's gate."""
+    attention, ffn, (batch, rows) = block.attention, block.feed_forward, x.shape[:2]
     h = block.attention_norm(x)
     q, k, v = (linear(h).view(batch, rows, -1, attention.head_dim) for linear in (attention.wq, attention.wk, attention.wv))
     out = ops.attention(q, k, v, attention.cache.k, attention.cache.v, cos, sin, start)
     h = x + attention.wo(out.view(batch, rows, -1))
-    return h + block.feed_forward(block.ffn_norm(h))
+    g = block.ffn_norm(h)
+    return h + ffn.w2(ops.swiglu(ffn.w1(g), ffn.w3(g)))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -222,7 +222,11 @@ def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_only_
     logits = model(torch.tensor([prompt + text]))[0, len(prompt) - 1:-1]
     best, picked = logits.amax(-1), logits.gather(-1, torch.tensor(text)[:, None])[:, 0]
     assert (best - picked <= 0.01 * (best - logits.amin(-1))).all()
-    assert text[:50] == generate(model, [prompt], 50, temperature=0)[0]  # this prompt's first near tie is later
+    # and where the float model's own greedy text first parts from it, that is such a near tie
+    theirs = generate(model, [prompt], 100, temperature=0)[0]
+    parted = next((i for i, (a, b) in enumerate(zip(text, theirs)) if a != b), None)
+    if parted is not None:
+        assert theirs[parted] == logits[parted].argmax() and best[parted] - picked[parted] > 0
 
 
 @torch.no_grad()
@@ -255,6 +259,7 @@ def logits_read_in_pieces(model, window, piece):
 def test_perplexity_on_the_kernels_does_not_depend_on_how_the_text_is_cut(trained, method):
     """Held-out perplexity over 4 windows of 128 tokens, as generate.py runs the model: read in
     one forward without a cache, in pieces of 128, 50, 17 and 16, and token by token."""
+    needs_kernels()
     run, tokens = trained
     model = use_matvec(use_fused_rmsnorm(load_checkpoint(run, quantize=method)))
     windows = tokens[:, :512].split(128, dim=1)

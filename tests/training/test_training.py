@@ -146,6 +146,25 @@ def test_gradient_accumulation_equals_one_big_batch(text_file, cache_dir, tmp_pa
         torch.testing.assert_close(acc[name], big[name], rtol=1e-4, atol=1e-6)
 
 
+def test_kernels_off_trains_model_pys_own_code_and_auto_the_fused_norm_with_the_same_first_step(text_file, cache_dir, tmp_path):
+    """--kernels off leaves every RMSNorm the model's own; auto makes them the fused kernel's,
+    whose forward is Meta's bit for bit, so the first step's loss is the same."""
+    from llama_mini.kernels import FusedRMSNorm, fused_rmsnorm
+    from llama_mini.model import RMSNorm
+
+    losses = {}
+    for kernels in ("off", "auto"):
+        cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / kernels), device="cpu",
+                          max_steps=3, kernels=kernels, **TINY)
+        trainer = start_run(cfg)
+        norms = [m for m in trainer.raw_model.modules() if isinstance(m, RMSNorm)]
+        fused = kernels == "auto" and fused_rmsnorm.cpu_kernel()[0] is not None
+        assert norms and all(type(m) is (FusedRMSNorm if fused else RMSNorm) for m in norms)
+        losses[kernels] = trainer.train_step()
+        trainer.close()
+    assert losses["off"] == losses["auto"]
+
+
 def test_trainer_learns_and_samples(text_file, cache_dir, tmp_path):
     cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=60, lr=3e-3, warmup_steps=5, **TINY)

@@ -28,22 +28,6 @@ namespace {
 
 using namespace simd;
 
-// exp of eight floats <= 0 (softmax's scores less their maximum): 2^n exp(r) with |r| <= ln2 / 2,
-// exp(r) by Cephes' degree-6 polynomial, within 2 ulp of expf. Below -88 the result is 0.
-__m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts, exact first
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
-}
-
 // The sums of eight vectors, as the eight lanes of one.
 __m256 hsum8(const __m256* v) {
     const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -59,39 +43,50 @@ constexpr int GROUP = 4;
 constexpr int GROUP = 1;  // sixteen registers hold one query's accumulators
 #endif
 
+constexpr int64_t MAX_HEAD_DIM = 256;  // Gemma's; Llama's are 64 and 128, llama2.c's 48 and 64
+
 struct Query {
     const float* q;  // rotated, times 1 / sqrt(head_dim)
     int64_t positions;  // it attends to positions 0 .. positions - 1
     float* scores;  // room for positions rounded up to 8
 };
 
-// A row of a key or value head as sixteen-lane chunks; a row of 8 fills half a chunk, with zeros.
-template <int D, typename T> void load_row(const T* p, Floats16* chunks) {
-    if constexpr (D < 16)
-        chunks[0] = Floats16::join(load8(p), _mm256_setzero_ps());
-    else
-        for (int c = 0; c < D / 16; c++) chunks[c] = Floats16::load(p + 16 * c);
+// A head size: D where the compiler knows it (FIXED, the common sizes, whose loops it unrolls),
+// else d, any multiple of 8 up to MAX_HEAD_DIM. Both run the same code in the same order.
+template <int FIXED> struct HeadSize {
+    static constexpr int64_t MAX_CHUNKS = FIXED ? (FIXED + 15) / 16 : MAX_HEAD_DIM / 16;
+    int64_t d;
+    int64_t dim() const { return FIXED ? FIXED : d; }
+    int64_t chunks() const { return (dim() + 15) / 16; }
+};
+
+// A row of a key or value head as sixteen-lane chunks; a last chunk of 8 is half filled, with zeros.
+template <int FIXED, typename T> void load_row(HeadSize<FIXED> size, const T* p, Floats16* chunks) {
+    const int64_t whole = size.dim() / 16;
+    for (int64_t c = 0; c < whole; c++) chunks[c] = Floats16::load(p + 16 * c);
+    if (size.dim() % 16) chunks[whole] = Floats16::join(load8(p + 16 * whole), _mm256_setzero_ps());
 }
 
 // The G queries of `group` (positions ascending), each computed as it would be alone: a score
 // is its key row times q in sixteen lanes, folded to eight and summed pairwise (hsum8, eight
-// positions at a time); the softmax in float32 with exp8; the output sums each position's value
-// row times its weight in order, then divides by the weights' sum, rounded once to T.
-template <int D, int G, typename T>
-void attend_group(const Query* group, const T* k, const T* v, T* const* out) {
-    constexpr int C = (D + 15) / 16;
-    const int64_t most = group[G - 1].positions;
-    Floats16 q[G][C];
-    for (int g = 0; g < G; g++) load_row<D>(group[g].q, q[g]);
+// positions at a time); the softmax in float32 with exp8 (a NaN score makes every weight NaN,
+// as softmax does); the output sums each position's value row times its weight in order, then
+// divides by the weights' sum, rounded once to T.
+template <int G, int FIXED, typename T>
+void attend_group(HeadSize<FIXED> size, const Query* group, const T* k, const T* v, T* const* out) {
+    constexpr int64_t MC = HeadSize<FIXED>::MAX_CHUNKS;
+    const int64_t D = size.dim(), C = size.chunks(), most = group[G - 1].positions;
+    Floats16 q[G][MC];
+    for (int g = 0; g < G; g++) load_row(size, group[g].q, q[g]);
     for (int64_t s0 = 0; s0 < most; s0 += 8) {  // eight positions at a time
         __m256 folded[G][8];
         for (int t = 0; t < 8; t++) {
-            Floats16 row[C];
-            if (s0 + t < most) load_row<D>(k + (s0 + t) * D, row);
+            Floats16 row[MC];
+            if (s0 + t < most) load_row(size, k + (s0 + t) * D, row);
             for (int g = 0; g < G; g++) {
                 Floats16 acc = Floats16::zero();
                 if (s0 + t < group[g].positions)
-                    for (int c = 0; c < C; c++) acc = fma(row[c], q[g][c], acc);
+                    for (int64_t c = 0; c < C; c++) acc = fma(row[c], q[g][c], acc);
                 folded[g][t] = _mm256_add_ps(acc.low(), acc.high());
             }
         }
@@ -104,44 +99,46 @@ void attend_group(const Query* group, const T* k, const T* v, T* const* out) {
         float* scores = group[g].scores;
         for (int64_t s = positions; s < padded; s++) scores[s] = -INFINITY;
         float highest = -INFINITY;
-        for (int64_t s = 0; s < positions; s++) highest = std::max(highest, scores[s]);
+        bool nan = false;
+        for (int64_t s = 0; s < positions; s++) highest = std::max(highest, scores[s]), nan |= std::isnan(scores[s]);
+        const __m256 shift = _mm256_set1_ps(nan ? NAN : highest);  // std::max passes over a NaN
         __m256 total = _mm256_setzero_ps();
         for (int64_t s0 = 0; s0 < padded; s0 += 8) {
-            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), _mm256_set1_ps(highest)));
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), shift));
             _mm256_storeu_ps(scores + s0, e);
             total = _mm256_add_ps(total, e);
         }
         inverse[g] = 1.0f / hsum(total);
     }
-    Floats16 acc[G][C];
+    Floats16 acc[G][MC];
     for (int g = 0; g < G; g++)
-        for (int c = 0; c < C; c++) acc[g][c] = Floats16::zero();
+        for (int64_t c = 0; c < C; c++) acc[g][c] = Floats16::zero();
     for (int64_t s = 0; s < most; s++) {
-        Floats16 row[C];
-        load_row<D>(v + s * D, row);
+        Floats16 row[MC];
+        load_row(size, v + s * D, row);
         for (int g = 0; g < G; g++)
             if (s < group[g].positions) {
                 const Floats16 p = Floats16::all(group[g].scores[s]);
-                for (int c = 0; c < C; c++) acc[g][c] = fma(row[c], p, acc[g][c]);
+                for (int64_t c = 0; c < C; c++) acc[g][c] = fma(row[c], p, acc[g][c]);
             }
     }
-    alignas(64) float result[C * 16];
+    alignas(64) float result[MC * 16];
     for (int g = 0; g < G; g++) {
-        for (int c = 0; c < C; c++) {
+        for (int64_t c = 0; c < C; c++) {
             const Floats16 scaled = mul(acc[g][c], Floats16::all(inverse[g]));
             _mm256_store_ps(result + 16 * c, scaled.low());
             _mm256_store_ps(result + 16 * c + 8, scaled.high());
         }
-        for (int d = 0; d < D; d++) store1(out[g] + d, result[d]);
+        for (int64_t d = 0; d < D; d++) store1(out[g] + d, result[d]);
     }
 }
 
 // attend_group for the first `count` queries of group (1 <= count <= G).
-template <int D, int G = GROUP, typename T>
-void attend_run(int64_t count, const Query* group, const T* k, const T* v, T* const* out) {
+template <int G = GROUP, int FIXED, typename T>
+void attend_run(HeadSize<FIXED> size, int64_t count, const Query* group, const T* k, const T* v, T* const* out) {
     if constexpr (G > 1)
-        if (count < G) return attend_run<D, G - 1>(count, group, k, v, out);
-    attend_group<D, G>(group, k, v, out);
+        if (count < G) return attend_run<G - 1>(size, count, group, k, v, out);
+    attend_group<G>(size, group, k, v, out);
 }
 
 // x rotated as apply_rotary_emb does: y[j] = x[j] cos[j] + x[j ^ 1] sin[j], each product and
@@ -153,10 +150,11 @@ template <typename T> void rotate(const T* x, T* y, const float* cos, const floa
     }
 }
 
-template <int D, typename T>
-void attend(const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out, const float* cos, const float* sin,
+template <int FIXED, typename T>
+void attend(HeadSize<FIXED> size, const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out, const float* cos, const float* sin,
             int64_t batch, int64_t rows, int64_t heads, int64_t kv_heads, int64_t start, int64_t cache_batch_stride,
             int64_t cache_head_stride, int threads) {
+    const int64_t D = size.dim();
     // The new positions' keys (rotated) and values into the cache, as KVCache.update stores them.
     for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < rows; i++)
@@ -191,7 +189,7 @@ void attend(const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out, 
                 outs[j] = out + row * D;
             }
             const int64_t at = b * cache_batch_stride + g * cache_head_stride;
-            attend_run<D>(count, group, k_cache + at, v_cache + at, outs);
+            attend_run(size, count, group, k_cache + at, v_cache + at, outs);
         }
     }
 }
@@ -202,18 +200,16 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
                           const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
                           int64_t cache_head_stride, int bf16, int threads) {
-    const auto run = [&]<int D, typename T>(const T*) {
-        attend<D>(static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), static_cast<T*>(k_cache),
-                  static_cast<T*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads, kv_heads, start,
-                  cache_batch_stride, cache_head_stride, threads);
+    const auto run = [&]<int FIXED, typename T>(const T*) {
+        attend(HeadSize<FIXED>{head_dim}, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
+               static_cast<T*>(k_cache), static_cast<T*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads,
+               kv_heads, start, cache_batch_stride, cache_head_stride, threads);
     };
     const auto of_size = [&]<typename T>(const T* type) {
-        switch (head_dim) {  // the head sizes of Llama models; the op checks for one of these
+        switch (head_dim) {  // Llama's head sizes, unrolled; others (a multiple of 8, the op checks) as they come
             case 64: return run.template operator()<64>(type);
             case 128: return run.template operator()<128>(type);
-            case 32: return run.template operator()<32>(type);
-            case 16: return run.template operator()<16>(type);
-            default: return run.template operator()<8>(type);
+            default: return run.template operator()<0>(type);
         }
     };
     if (bf16) of_size(static_cast<const uint16_t*>(nullptr));

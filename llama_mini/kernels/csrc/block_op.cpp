@@ -4,12 +4,11 @@
 // Decoding a small model on a CPU, a layer's arithmetic takes a few hundred microseconds, and
 // the eager block's thirty-odd calls from Python (modules, norms, products, residual adds) cost
 // about as much again. Here the same operators run in the same order from C++: the result is
-// the block's on the kernels, bit for bit, without the interpreter between them.
+// the block's on the kernels, bit for bit, without the interpreter between them. SwiGLU's gate
+// is the kernels' own (swiglu.cpp), which computes every element alike wherever it sits.
 
 #include <ATen/core/List.h>
 #include <ATen/ops/add.h>
-#include <ATen/ops/mul.h>
-#include <ATen/ops/silu.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -54,7 +53,7 @@ at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const
     const at::Tensor after_attention = at::add(x, project(attended.view({batch, rows, -1}), 3));
 
     const at::Tensor g = rms_norm(after_attention, ffn_norm, eps, dim, vector_bytes);
-    return at::add(after_attention, project(at::mul(at::silu(project(g, 4)), project(g, 6)), 5));
+    return at::add(after_attention, project(swiglu_op(project(g, 4), project(g, 6)), 5));
 }
 
 }  // namespace llama_mini

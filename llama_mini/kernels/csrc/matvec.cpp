@@ -26,9 +26,12 @@
 // matvec_available() says 0, and the Python side runs the layers' own code.
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -47,11 +50,28 @@ using namespace simd;
 constexpr int DENSE_MR = 4, DENSE_NR = 6;  // rows of x, rows of W
 constexpr int INT_MR = 4, INT_NZ = 3;  // rows of x, pairs of sets of eight rows of W
 #else
-constexpr int DENSE_MR = 2, DENSE_NR = 2;
+constexpr int DENSE_MR = 3, DENSE_NR = 4;
 constexpr int INT_MR = 2, INT_NZ = 1;
 #endif
 constexpr int64_t CHUNK = 128;  // rows of x per pass over the weights
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead each stream of integer weights is fetched
+
+// The cache lines of `rows` runs of `bytes` bytes, `stride` apart from `first`, fetched in `shares`
+// equal shares: share(s) fetches the s-th, so that memory is read while arithmetic runs.
+class Prefetches {
+  public:
+    Prefetches(const void* first, int64_t rows, int64_t stride, int64_t bytes, int64_t shares)
+        : first_(static_cast<const char*>(first)), stride_(stride), lines_((bytes + 63) / 64),
+          per_share_((rows * lines_ + shares - 1) / std::max<int64_t>(shares, 1)), total_(rows * lines_) {}
+    void share(int64_t s) const {
+        for (int64_t line = s * per_share_, until = std::min(total_, line + per_share_); line < until; line++)
+            prefetch(first_ + line / lines_ * stride_ + line % lines_ * 64);
+    }
+
+  private:
+    const char* first_;
+    int64_t stride_, lines_, per_share_, total_;
+};
 
 // Calls tile<R>(m) for rows [begin, end) in tiles of MR rows, then one tile of the rows left.
 template <int MR, typename Tile> void by_row_tiles(int64_t begin, int64_t end, const Tile& tile) {
@@ -74,31 +94,94 @@ template <int MR, typename Tile> void over_chunks(int64_t rows, const Tile& tile
 }
 
 // --- Dense weights -----------------------------------------------------------------------------
+//
+// A tile reads its weights and its rows of x as they are (a decoding step: the weights stream
+// from memory once), or packed (a prompt): a block of a chunk of x, and of a tile of W, copied
+// into buffers laid out so that each step of the tile reads one run of memory, converted to
+// the kernel's float type. The values and their order of sums are the rows' own (simd.h), so
+// a row's result does not depend on which way it was read.
 
-// Outputs (m0 .. m0 + MR - 1, i0 .. i0 + NR - 1) of x W^T.
-template <int MR, int NR, typename X, typename W, typename Y>
-void dense_tile(const X* x, const W* w, Y* y, int64_t n, int64_t k, int64_t m0, int64_t i0, bool prefetch_next) {
-    using Step = DenseStep<X, W>;
-    const W* next = prefetch_next && i0 + 2 * NR <= n ? w + (i0 + NR) * k : nullptr;  // the next tile's rows
-    Floats16 acc[MR][NR];
+// Whether x W^T multiplies bfloat16 pairs with AVX-512 BF16 (simd.h): its packed operands stay bf16.
+template <typename X, typename W> constexpr bool BF16_PAIRS = DenseStep<X, W>::inputs == 32;
+// The type a packed operand holds.
+template <typename X, typename W> using Packed = std::conditional_t<BF16_PAIRS<X, W>, uint16_t, float>;
+
+// sums[r * stride + q] += the block of inputs [0, length) of outputs (r < MR, q < NR) of a tile,
+// read from lx and lw: rows of x and W as they are (rows k apart; `next` prefetched, NR rows k
+// apart, where PREFETCH), or PACKED (each step's MR, then NR runs side by side). The loops are
+// unrolled by hand (pragmas), so that the compiler keeps the accumulators in registers.
+template <int MR, int NR, bool PACKED, bool PREFETCH, typename LX, typename LW>
+void dense_block(const LX* lx, const LW* lw, int64_t k, int64_t length, const void* next, float* sums,
+                 int64_t stride) {
+    using Step = DenseStep<LX, LW>;
+    constexpr int64_t L = Step::inputs;
+    const int64_t x_row = PACKED ? L : k, w_row = PACKED ? L : k;
+    const int64_t x_step = PACKED ? MR * L : L, w_step = PACKED ? NR * L : L;
+    DenseLanes acc[MR][NR];
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
-        for (int q = 0; q < NR; q++) acc[r][q] = Floats16::zero();
-    int64_t j = 0;
-    for (; j + Step::inputs <= k; j += Step::inputs) {
+#pragma GCC unroll 8
+        for (int q = 0; q < NR; q++) acc[r][q] = DenseLanes::zero();
+    for (int64_t j = 0; j < length; j += L, lx += x_step, lw += w_step) {
         typename Step::Vector xv[MR];
-        for (int r = 0; r < MR; r++) xv[r] = Step::load(x + (m0 + r) * k + j);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) xv[r] = Step::load(lx + r * x_row);
+#pragma GCC unroll 8
         for (int q = 0; q < NR; q++) {
-            if (next) prefetch(next + q * k + j);
-            typename Step::Vector wv = Step::load_w(w + (i0 + q) * k + j);
+            if constexpr (PREFETCH) prefetch(static_cast<const LW*>(next) + q * k + j);
+            typename Step::Vector wv = Step::load_w(lw + q * w_row);
             in_register(wv);
+#pragma GCC unroll 8
             for (int r = 0; r < MR; r++) acc[r][q] = Step::madd(acc[r][q], wv, xv[r]);
         }
     }
+#pragma GCC unroll 8
     for (int r = 0; r < MR; r++)
-        for (int q = 0; q < NR; q++) store1(y + (m0 + r) * n + i0 + q, dense_finish(acc[r][q], x + (m0 + r) * k, w + (i0 + q) * k, j, k));
+#pragma GCC unroll 8
+        for (int q = 0; q < NR; q++) sums[r * stride + q] += lanes_sum(acc[r][q]);
 }
 
-// Rows of W in tiles of NR, threads taking bands of them.
+// Outputs (m0 .. m0 + MR - 1, i0 .. i0 + NR - 1) of x W^T, reading the rows as they are.
+template <int MR, int NR, typename X, typename W, typename Y>
+void dense_tile(const X* x, const W* w, Y* y, int64_t n, int64_t k, int64_t m0, int64_t i0, bool prefetch_next) {
+    constexpr int64_t L = DenseStep<X, W>::inputs;
+    const int64_t end = k / L * L;
+    const X* xt = x + m0 * k;
+    const W* wt = w + i0 * k;
+    float sums[MR * NR] = {};
+    for (int64_t b = 0; b < end; b += DENSE_KC) {
+        const int64_t length = std::min(DENSE_KC, end - b);
+        if (prefetch_next && i0 + 2 * NR <= n)  // the next tile's rows
+            dense_block<MR, NR, false, true>(xt + b, wt + b, k, length, wt + NR * k + b, sums, NR);
+        else
+            dense_block<MR, NR, false, false>(xt + b, wt + b, k, length, nullptr, sums, NR);
+    }
+    for (int r = 0; r < MR; r++)
+        for (int q = 0; q < NR; q++) store1(y + (m0 + r) * n + i0 + q, dense_tail(sums[r * NR + q], xt + r * k, wt + q * k, end, k));
+}
+
+// Inputs [b, b + length) of rows [0, count) of `from` (k values each), packed for dense_block:
+// for each step of L inputs, the rows' runs side by side, converted to P.
+template <int64_t L, typename P, typename T>
+void pack(P* to, const T* from, int64_t count, int64_t k, int64_t b, int64_t length) {
+    for (int64_t j = b; j < b + length; j += L)
+        for (int64_t r = 0; r < count; r++, to += L) {
+            if constexpr (std::is_same_v<P, T>)
+                std::memcpy(to, from + r * k + j, L * sizeof(P));
+            else
+                for (int64_t t = 0; t < L; t += 8) store8(to + t, load8(from + r * k + j + t));
+        }
+}
+
+// Calls body.template operator()<C>() for the count C (1 .. N) given at run time.
+template <int N, typename Body> void with_count(int64_t count, const Body& body) {
+    if constexpr (N > 1)
+        if (count < N) return with_count<N - 1>(count, body);
+    body.template operator()<N>();
+}
+
+// Rows of W in tiles of NR, read as they are, threads taking bands of them: a few rows of x
+// (a decoding step) are bound by memory, and four streams of weights per thread read fastest.
 template <int NR, typename X, typename W, typename Y>
 void dense_in_tiles(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     for_row_bands(n, threads, [&](int64_t begin, int64_t end) {
@@ -112,14 +195,55 @@ void dense_in_tiles(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64
     }, NR);
 }
 
-// A few rows (a decoding step) are bound by memory: four streams of weights per thread read
-// fastest. More are bound by arithmetic: DENSE_NR rows of W per tile.
+// More rows (a prompt) are bound by arithmetic. Chunks of CHUNK rows of x, block by block of
+// inputs, packed (in the second-level cache); for each tile of DENSE_NR rows of W, its block
+// packed (in the first), while the next tile's block is fetched from memory, a share before each
+// tile of x; the tiles of x then meet it, each step a load per DENSE_MR or DENSE_NR
+// multiply-adds. Each thread sums its band's outputs of a chunk in `sums`.
+template <typename X, typename W, typename Y>
+void dense_packed(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+    using P = Packed<X, W>;
+    constexpr int64_t L = DenseStep<P, P>::inputs;
+    const int64_t end = k / L * L;
+    for_row_bands(n, threads, [&](int64_t begin, int64_t band_end) {
+        const int64_t band = band_end - begin, chunk = std::min(rows, CHUNK);
+        thread_local std::vector<P> xp, wp;
+        thread_local std::vector<float> sums;
+        xp.resize(chunk * DENSE_KC), wp.resize(DENSE_NR * DENSE_KC), sums.resize(chunk * band);
+        for (int64_t c = 0; c < rows; c += CHUNK) {
+            const int64_t c_end = std::min(rows, c + CHUNK);
+            std::fill(sums.begin(), sums.end(), 0.0f);
+            for (int64_t b = 0; b < end; b += DENSE_KC) {
+                const int64_t length = std::min(DENSE_KC, end - b);
+                by_row_tiles<DENSE_MR>(c, c_end, [&]<int R>(int64_t m) { pack<L>(xp.data() + (m - c) * length, x + m * k, R, k, b, length); });
+                for (int64_t i = begin; i < band_end; i += DENSE_NR) {
+                    const int64_t count = std::min<int64_t>(DENSE_NR, band_end - i);
+                    pack<L>(wp.data(), w + i * k, count, k, b, length);
+                    const Prefetches next(w + (i + DENSE_NR) * k + b, i + 2 * DENSE_NR <= band_end ? DENSE_NR : 0,
+                                          k * int64_t(sizeof(W)), length * int64_t(sizeof(W)), (c_end - c + DENSE_MR - 1) / DENSE_MR);
+                    int64_t tile = 0;
+                    with_count<DENSE_NR>(count, [&]<int NR>() {
+                        by_row_tiles<DENSE_MR>(c, c_end, [&]<int R>(int64_t m) {
+                            next.share(tile++);
+                            dense_block<R, NR, true, false>(xp.data() + (m - c) * length, wp.data(), k, length, nullptr,
+                                                            sums.data() + (m - c) * band + (i - begin), band);
+                        });
+                    });
+                }
+            }
+            for (int64_t m = c; m < c_end; m++)
+                for (int64_t i = begin; i < band_end; i++)
+                    store1(y + m * n + i, dense_tail(sums[(m - c) * band + i - begin], x + m * k, w + i * k, end, k));
+        }
+    }, DENSE_NR);
+}
+
 template <typename X, typename W, typename Y>
 void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     if (rows < DENSE_MR)
         dense_in_tiles<4>(x, w, y, rows, n, k, threads);
     else
-        dense_in_tiles<DENSE_NR>(x, w, y, rows, n, k, threads);
+        dense_packed(x, w, y, rows, n, k, threads);
 }
 
 // --- Integer weights -----------------------------------------------------------------------------
@@ -284,18 +408,25 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
     const int64_t blocks = rows * k / BLOCK;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t block = 0; block < blocks; block++) {
-        __m256 part[4], amax = _mm256_setzero_ps();
+        __m256 part[4], amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
             part[j] = load8(x, block * BLOCK + 8 * j, x_bf16);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));  // max drops a NaN: counted apart
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(part[j], part[j], _CMP_UNORD_Q));
         }
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
         const float absmax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-        const __m256 inverse = _mm256_set1_ps(absmax > 0.0f ? 127.0f / absmax : 0.0f);
+        // A NaN or an infinity makes the whole block NaN, as the definition's arithmetic does
+        // (quantized_activations: inf * 0 and NaN * anything); its codes are then zeros, and its
+        // scale, NaN, carries NaN to every output.
+        const bool finite = _mm256_movemask_ps(unordered) == 0 && absmax <= FLT_MAX;
+        const __m256 inverse = _mm256_set1_ps(finite && absmax > 0.0f ? 127.0f / absmax : 0.0f);
         __m256i code[4];
         for (int j = 0; j < 4; j++) code[j] = _mm256_cvtps_epi32(_mm256_mul_ps(part[j], inverse));  // nearest, ties to even
-        xd[block] = absmax / 127.0f;
+        if (!finite)
+            for (int j = 0; j < 4; j++) code[j] = _mm256_setzero_si256();
+        xd[block] = finite ? absmax / 127.0f : NAN;
         xsum[block] = hsum(_mm256_add_epi32(_mm256_add_epi32(code[0], code[1]), _mm256_add_epi32(code[2], code[3])));
         const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + block * BLOCK), _mm256_permutevar8x32_epi32(bytes, lane_order));

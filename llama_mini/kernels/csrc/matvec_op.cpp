@@ -34,6 +34,14 @@ int threads_for(int64_t rows, int64_t n, int64_t k) {
     return rows * n * k >= PARALLEL_MIN_WORK ? at::get_num_threads() : 1;
 }
 
+// The rows of x (..., k): the product of its leading sizes (not numel / k, which divides by
+// zero for a layer without inputs).
+int64_t rows_of(const at::Tensor& x) {
+    int64_t rows = 1;
+    for (int64_t d = 0; d + 1 < x.dim(); d++) rows *= x.size(d);
+    return rows;
+}
+
 // Checks x (..., k) against the weight's k, and allocates y (..., n) in x's dtype.
 at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
     TORCH_CHECK(matvec_available(), "llama_mini::linear: this build has no vector kernels (it needs AVX2 and FMA)");
@@ -73,7 +81,7 @@ IntegerCall integer_call(const at::Tensor& x, const at::Tensor& scales, int64_t 
     check_float(scales, "the scales");
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
-    const int64_t rows = xc.numel() / k;
+    const int64_t rows = rows_of(xc);
     return {y, rows, quantized(xc, rows, k)};
 }
 
@@ -85,7 +93,7 @@ at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
     const int64_t n = weight.size(0), k = weight.size(1);
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
-    const int64_t rows = xc.numel() / k;
+    const int64_t rows = rows_of(xc);
     ::linear_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
                    is_bf16(weight), threads_for(rows, n, k));
     return y;
@@ -109,15 +117,28 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                 "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
     const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
     const int64_t width = scales.dim() == 2 ? scales.size(1) : 0;  // groups * 8
-    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && width >= 8 && width % 8 == 0 &&
-                    k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0 && scales.sizes() == zeros.sizes() &&
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && (k == 0 || width >= 8) && width % 8 == 0 &&
+                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == zeros.sizes() &&
                     scales.is_contiguous() && zeros.is_contiguous() && scales.scalar_type() == zeros.scalar_type(),
                 "llama_mini::linear_int4: scales and zeros (rows / 8, groups * 8), groups a multiple of 32 inputs");
     const IntegerCall call = integer_call(x, scales, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
                   scales.const_data_ptr(), zeros.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
-                  k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
+                  k == 0 ? 32 : k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
     return call.y;
+}
+
+// silu(a) * b, elementwise, for a and b of one shape and dtype.
+at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b) {
+    TORCH_CHECK(matvec_available(), "llama_mini::swiglu: this build has no vector kernels");
+    TORCH_CHECK(a.device().is_cpu() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
+                "llama_mini::swiglu: a and b of one shape and dtype, on the CPU");
+    check_float(a, "a");
+    const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    at::Tensor out = at::empty_like(ac);
+    ::swiglu(ac.const_data_ptr(), bc.const_data_ptr(), out.mutable_data_ptr(), ac.numel(), is_bf16(ac),
+             ac.numel() * 16 >= PARALLEL_MIN_WORK ? at::get_num_threads() : 1);
+    return out;
 }
 
 // q (B, T, heads, d), k and v (B, T, kv_heads, d): the new positions', as the linear layers
@@ -137,8 +158,8 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache})
         TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::attention: one dtype for q, k, v and the cache");
     check_float(q, "q");
-    TORCH_CHECK(head_dim == 8 || head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128,
-                "llama_mini::attention: head_dim ", head_dim, " is not 8, 16, 32, 64 or 128");
+    TORCH_CHECK(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= 256,
+                "llama_mini::attention: head_dim ", head_dim, " is not a multiple of 8 up to 256");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == rows * head_dim &&
                     sin.numel() == rows * head_dim,
                 "llama_mini::attention: float32 cos and sin, head_dim values per position");
@@ -162,6 +183,7 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
+    m.def("swiglu(Tensor a, Tensor b) -> Tensor");
     m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
           "Tensor sin, int start) -> Tensor");
 }
@@ -169,5 +191,6 @@ TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);
     m.impl("linear_int8", llama_mini::int8_op);
     m.impl("linear_int4", llama_mini::int4_op);
+    m.impl("swiglu", llama_mini::swiglu_op);
     m.impl("attention", llama_mini::attention_op);
 }

@@ -69,7 +69,32 @@ inline void store8(uint16_t* p, __m256 v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
 
+// v rounded to bfloat16 as store8 rounds it, as float32.
+inline __m256 round_bf16(__m256 v) {
+    alignas(16) uint16_t bits[8];
+    store8(bits, v);
+    return load8(bits);
+}
+
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// exp of eight floats: 2^n exp(r) with |r| <= ln2 / 2, exp(r) by Cephes' degree-6 polynomial,
+// within 2 ulp of expf on [-88, 88]; below, 0, above, exp(88); NaN stays NaN (maxps and minps
+// return their second operand where either is NaN). Every lane is computed alike, wherever it
+// sits: an element's result does not depend on its neighbours.
+inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-88.0f), x));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln2 in two parts, exact first
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    for (float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(exponent));
+}
 
 // --- Sixteen float lanes ----------------------------------------------------------------------
 
@@ -117,19 +142,41 @@ inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) {
 
 // --- A dense layer's output ---------------------------------------------------------------------
 //
-// Each output of x W^T is a sum over k in sixteen float32 lanes, each adding the products of
-// its inputs in order: inputs j = i (mod 16) in lane i, by fused multiply-adds (DenseStep); or,
-// where both are bfloat16 and the CPU has AVX-512 BF16, the pairs j = 2i, 2i + 1 (mod 32), by
-// vdpbf16ps (exact products, two float32 roundings per pair, subnormals flushed), which does
-// twice the work per instruction. At the end lanes i and i + 8 are added, then the eight sums
-// pairwise (hsum), then the last products one by one.
+// Each output of x W^T is summed in one order, whatever the tile, chunk or thread (matvec.cpp):
+// the inputs in blocks of DENSE_KC, each block in float32 lanes (DenseLanes) that add the
+// products of their inputs in order, folded and summed pairwise (hsum) and added to the output's
+// sum; then the last inputs (k mod the lanes) one by one. With AVX-512, sixteen lanes, inputs
+// j = i (mod 16) in lane i, by fused multiply-adds; or, where both are bfloat16 and the CPU has
+// AVX-512 BF16, the pairs j = 2i, 2i + 1 (mod 32), by vdpbf16ps (exact products, two float32
+// roundings per pair, subnormals flushed), which does twice the work per instruction. With
+// AVX2, eight lanes, j = i (mod 8): an accumulator is one register, so a tile holds twelve of
+// them, where sixteen lanes would leave room for six. Blocks keep a tile's weights in the
+// first-level cache while every row of a prompt's chunk meets them.
+
+struct Floats8 {
+    __m256 v;
+    static Floats8 zero() { return {_mm256_setzero_ps()}; }
+    template <typename T> static Floats8 load(const T* p) { return {load8(p)}; }
+};
+inline Floats8 fma(Floats8 a, Floats8 b, Floats8 c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline void in_register(Floats8&) {}  // sixteen registers: the compiler places the operands best
+inline float lanes_sum(Floats8 v) { return hsum(v.v); }
+inline float lanes_sum(Floats16 v) { return hsum(_mm256_add_ps(v.low(), v.high())); }
+
+#ifdef SIMD_WIDE
+using DenseLanes = Floats16;
+constexpr int64_t DENSE_KC = 1024;
+#else
+using DenseLanes = Floats8;
+constexpr int64_t DENSE_KC = 512;
+#endif
 
 template <typename X, typename W> struct DenseStep {
-    static constexpr int64_t inputs = 16;
-    using Vector = Floats16;
-    static Floats16 load(const X* p) { return Floats16::load(p); }
-    static Floats16 load_w(const W* p) { return Floats16::load(p); }
-    static Floats16 madd(Floats16 acc, Floats16 w, Floats16 x) { return fma(w, x, acc); }
+    static constexpr int64_t inputs = sizeof(DenseLanes) / sizeof(float);
+    using Vector = DenseLanes;
+    static DenseLanes load(const X* p) { return DenseLanes::load(p); }
+    static DenseLanes load_w(const W* p) { return DenseLanes::load(p); }
+    static DenseLanes madd(DenseLanes acc, DenseLanes w, DenseLanes x) { return fma(w, x, acc); }
 };
 
 #if defined(SIMD_WIDE) && defined(__AVX512BF16__)
@@ -143,10 +190,8 @@ template <> struct DenseStep<uint16_t, uint16_t> {
 inline void in_register(__m512bh& v) { asm volatile("" : "+v"(v)); }
 #endif
 
-// The sum of a dense output's sixteen lanes, then its tail of inputs [from, k).
-template <typename X, typename W>
-float dense_finish(Floats16 acc, const X* x, const W* w, int64_t from, int64_t k) {
-    float sum = hsum(_mm256_add_ps(acc.low(), acc.high()));
+// An output's sum after its blocks, plus its last inputs [from, k).
+template <typename X, typename W> float dense_tail(float sum, const X* x, const W* w, int64_t from, int64_t k) {
     for (int64_t t = from; t < k; t++) sum += load1(w + t) * load1(x + t);
     return sum;
 }

@@ -1,0 +1,86 @@
+"""The linear layers alone: llama_mini's CPU kernels against torch's F.linear, fp32 and bf16, on
+the layer shapes of a model, for a decoding step and for prompts.
+
+A model's time on a CPU is its linear layers' (attention is a small share below a few thousand
+positions): this sets each of a 110M's or a 1B's seven layer shapes and its output head
+(Llama-2's 32000-token vocabulary) against torch's own kernel for the same product, rows of
+activations times a weight matrix, in the same interleaved rounds. Figures are GFLOP/s of the
+whole model's layers at each row count (2 x rows x weights / time), medians over the rounds.
+
+The instruction set is named on every line: the kernels' (LLAMA_MINI_ISA, default native) and
+torch's (ATen's capability; MKL and oneDNN follow MKL_ENABLE_INSTRUCTIONS and
+ONEDNN_MAX_CPU_ISA). To run both as a CPU with AVX2 and no AVX-512 would, on one with it:
+
+    LLAMA_MINI_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
+        python bench/linear_speed.py --sizes 110M 1B --threads 2
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from llama_mini.kernels import build, matvec  # noqa: E402
+
+# (output, input) of each weight matrix: wq, wk, wv, wo, w1, w2, w3, and the head.
+SHAPES = {
+    "110M": [(768, 768)] * 4 + [(2048, 768), (768, 2048), (2048, 768), (32000, 768)],
+    "1B": [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (5632, 2048), (2048, 5632), (5632, 2048), (32000, 2048)],
+}
+
+
+def timed(run) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", nargs="+", default=["110M", "1B"], choices=SHAPES)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 256, 1024])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ops = matvec.operators()
+    if ops is None:
+        sys.exit("no CPU kernels here (they need x86-64 with AVX2 and FMA)")
+    isa = build.isa()
+    torch_isa = (f"{torch.backends.cpu.get_cpu_capability()}, MKL {os.environ.get('MKL_ENABLE_INSTRUCTIONS', 'its best')}, "
+                 f"oneDNN {os.environ.get('ONEDNN_MAX_CPU_ISA', 'its best')}")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; kernels built for {isa}; torch: {torch_isa}; "
+          f"median of {args.rounds} rounds")
+    g = torch.Generator().manual_seed(0)
+    for size in args.sizes:
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in SHAPES[size]]
+            for rows in args.rows:
+                xs = [torch.randn(rows, w.shape[1], generator=g).to(dtype) for w in weights]
+                reps = 10 if rows == 1 else 1
+                times = {"kernels": [], "F.linear": []}
+                with torch.inference_mode():
+                    for name, f in (("kernels", ops.linear_dense), ("F.linear", F.linear)):  # warm up
+                        for x, w in zip(xs, weights):
+                            f(x, w)
+                    for _ in range(args.rounds):
+                        for name, f in (("kernels", ops.linear_dense), ("F.linear", F.linear)):
+                            times[name].append(timed(lambda: [f(x, w) for _ in range(reps) for x, w in zip(xs, weights)]) / reps)
+                flops = sum(2 * rows * w.numel() for w in weights)
+                ours, theirs = (statistics.median(times[name]) for name in ("kernels", "F.linear"))
+                print(f"{size} {dtype_name:>8} {rows:5} rows: kernels ({isa}) {flops / ours / 1e9:7.1f} GFLOP/s, "
+                      f"F.linear ({torch_isa}) {flops / theirs / 1e9:7.1f} GFLOP/s, kernels / F.linear {theirs / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""Every instruction set a CPU may run the kernels with, on this machine: each variant this CPU
+executes below its own (LLAMA_MINI_ISA, kernels/build.py) is built, and the kernel tests run
+against it in a child process. A machine with AVX-512 thereby tests the AVX2 code most users
+run, and the x86-64 build that has no vector kernels (the layers on torch's code, the fused
+norm in plain C++)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llama_mini.kernels import build, matvec
+
+ROOT = Path(__file__).resolve().parents[2]
+# The tests of the kernels' numbers: operators, a model on the kernels, the fused norm, the
+# integer layers against their definition (not those of the build's machinery, the same for all).
+KERNEL_TESTS = ["tests/kernels/test_matvec.py", "tests/kernels/test_one_function.py", "tests/kernels/test_fused_rmsnorm.py",
+                "tests/quant/test_quantize.py"]
+# The first instruction set this CPU executes is its own (the native build, which the suite ran
+# already); the others are those below it.
+BELOW_NATIVE = build.runnable_isas()[1:]
+
+
+def in_child(isa: str, *args, timeout=1800) -> subprocess.CompletedProcess:
+    env = {**os.environ, "LLAMA_MINI_ISA": isa}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+@pytest.mark.parametrize("isa", BELOW_NATIVE)
+def test_the_kernel_tests_pass_built_for_every_instruction_set_this_cpu_runs(isa):
+    has_vectors = in_child(isa, "-c", "from llama_mini.kernels import matvec; print(matvec.operators() is not None)")
+    assert has_vectors.returncode == 0 and has_vectors.stdout.strip() == str(isa != "x86-64"), has_vectors.stderr
+    result = in_child(isa, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS, "-k", "not build")
+    assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
+
+
+LINEAR_OUTPUTS = r"""
+import sys, torch
+sys.path.insert(0, "tests/kernels")
+from llama_mini.kernels import matvec
+from linear_outputs import linear_outputs
+torch.save(linear_outputs(matvec.operators()), sys.argv[1])
+"""
+
+
+@pytest.mark.parametrize("isa", [isa for isa in BELOW_NATIVE if isa != "x86-64"])
+def test_the_integer_layers_give_the_same_numbers_under_every_instruction_set(isa, tmp_path):
+    """int8 and int4 sum each block exactly as integers, then take the same float32 steps in
+    the same order, in sixteen lanes or two halves of eight: the same bits on every CPU."""
+    ops = matvec.operators()
+    if ops is None:
+        pytest.skip("no vector kernels on this CPU")
+    from linear_outputs import linear_outputs
+
+    result = in_child(isa, "-c", LINEAR_OUTPUTS, str(tmp_path / "theirs.pt"))
+    assert result.returncode == 0, result.stderr
+    theirs, ours = torch.load(tmp_path / "theirs.pt"), linear_outputs(ops)
+    assert len(ours) == len(theirs) and all(torch.equal(a, b) for a, b in zip(ours, theirs))
