@@ -29,6 +29,7 @@ divided by the latter's std.
     python bench/generate_speed.py --sizes 110M 1B     # against llama.cpp at the same bytes per weight
     python bench/generate_speed.py --quick             # a tiny shape, 1 round: checks that it all runs
     python bench/generate_speed.py --compile           # llama_mini with torch.compile as well
+    python bench/generate_speed.py --kernels off --compile --no-peers   # llama_mini off its kernels, eager and compiled
     python bench/generate_speed.py --profile           # where a decoding step's time goes
 """
 
@@ -83,14 +84,16 @@ def weight_bytes_per_token(model) -> int:
     return total - (embedding.shape[0] - 1) * embedding.shape[1] * embedding.element_size()
 
 
-def llama_mini_variants(base: Transformer) -> dict:
+def llama_mini_variants(base: Transformer, kernels: bool = True) -> dict:
     """fp32 (base itself), bf16, int8 and int4 (quantized from base's fp32 weights) models, on
-    the CPU kernels, as generate.py runs them. No more copies than that: at 1B, every
-    implementation's models together nearly fill a 24 GiB machine."""
+    the CPU kernels, as generate.py runs them (kernels=False: model.py's own code and the integer
+    layers', as generate.py --kernels off and every machine without the kernels run them). No more
+    copies than that: at 1B, every implementation's models together nearly fill a 24 GiB machine."""
     variants = {"bf16": copy.deepcopy(base).to(torch.bfloat16),
                 "int8": quantize(copy.deepcopy(base), "int8").to(torch.bfloat16),
                 "int4": quantize(copy.deepcopy(base), "int4").to(torch.bfloat16)}
-    return {name: use_matvec(use_fused_rmsnorm(model)) for name, model in {"fp32": base, **variants}.items()}  # as generate.py does
+    models = {"fp32": base, **variants}
+    return {name: use_matvec(use_fused_rmsnorm(model)) if kernels else model for name, model in models.items()}
 
 
 def transformers_model(base: Transformer, dtype):
@@ -253,7 +256,7 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
         for method, error in float32_activation_errors(base, quality_prompt, expected).items():
             out[f"llama_mini {method}"] = error
     f32_errors, out = out, {}
-    for variant, model in llama_mini_variants(base).items():
+    for variant, model in llama_mini_variants(base, args.kernels == "auto").items():
         out[f"llama_mini {variant}"] = Implementation(
             lambda p, n, m=model: run_ours(m, p, n), lambda p, m=model: logits_ours(m, p), weight_bytes_per_token(model),
             lambda p, longest, m=model: OursFar(m, p, longest))
@@ -263,6 +266,8 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
             compiled.compile(dynamic=True)
             out[f"llama_mini+compile {variant}"] = Implementation(
                 lambda p, n, m=compiled: run_ours(m, p, n), lambda p, m=compiled: logits_ours(m, p), weight_bytes_per_token(model))
+    if not args.peers:
+        return out, expected
     for variant, dtype in TRANSFORMERS.items():
         theirs = transformers_model(base, dtype)
         out[f"transformers {variant}"] = Implementation(
@@ -352,6 +357,11 @@ def print_size(size, rows, bandwidth, args):
         line += f" {row['error']:12.4f}" if "error" in row else f" {'':>12}"
         line += f" {row['f32 error']:17.4f}" if "f32 error" in row else f" {'':>17}"
         print(line + f" {same:>27}/{len(reference)}")
+    for ours in ("llama_mini", "llama_mini+compile"):
+        if f"{ours} fp32" in rows:
+            fp32 = rows[f"{ours} fp32"]["decode"]
+            print(f"decoding, {ours} / its fp32: " + ", ".join(
+                f"{variant} {rows[f'{ours} {variant}']['decode'] / fp32:.2f}x" for variant in VARIANTS[1:]))
     print("ratios, llama_mini / llama.cpp at the same bytes per weight (and / transformers):")
     for variant in VARIANTS:
         ours = rows[f"llama_mini {variant}"]
@@ -381,6 +391,21 @@ def profile(size, tokens):
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
+def instruction_sets() -> str:
+    """The instruction set each implementation runs with, to name beside every figure."""
+    from llama_mini.kernels import build
+
+    line = f"llama_mini's kernels built for {build.isa()} (LLAMA_MINI_ISA); torch: {torch.backends.cpu.get_cpu_capability()}"
+    try:
+        import llama_cpp
+
+        features = [f.split("=")[0].strip() for f in llama_cpp.llama_print_system_info().decode().split("|") if f.strip().endswith("= 1")]
+        line += f"; llama.cpp {llama_cpp.__version__}: {' '.join(features)}"
+    except ImportError:
+        pass
+    return line
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["110M", "1B"], choices=SIZES)
@@ -393,6 +418,9 @@ def main():
     p.add_argument("--no-quality", dest="quality", action="store_false", help="skip the logits' error against fp32")
     p.add_argument("--quick", action="store_true", help="the tiny shape, 8 tokens, 1 round: checks that everything runs")
     p.add_argument("--compile", action="store_true", help="also time llama_mini under torch.compile")
+    p.add_argument("--kernels", choices=("auto", "off"), default="auto",
+                   help="off: llama_mini without its CPU kernels, as on a GPU, a Mac or a CPU without AVX2")
+    p.add_argument("--no-peers", dest="peers", action="store_false", help="llama_mini alone: no transformers, no llama.cpp")
     p.add_argument("--profile", action="store_true", help="print a profile of llama_mini's fp32 decoding instead")
     p.add_argument("--threads", type=int, help="torch and llama.cpp CPU threads (default: torch's choice)")
     p.add_argument("--tokenizer", default=LLAMA2_TOKENIZER, help="Llama-2 tokenizer.model, for the GGUF export llama.cpp reads")
@@ -405,6 +433,7 @@ def main():
         return profile(args.sizes[0], args.tokens)
     print(f"CPU threads: {torch.get_num_threads()}; decoding: {args.tokens} new tokens after a 16-token prompt; "
           f"prefill: prompts of {', '.join(map(str, sorted(args.prompt_lengths)))} tokens; median of {args.rounds} rounds")
+    print(instruction_sets())
     for size in args.sizes:
         rows, bandwidth = measure(size, args)
         print_size(size, rows, bandwidth, args)

@@ -37,13 +37,16 @@ __m256 hsum8(const __m256* v) {
 
 // Queries computed together: those that read one key/value head (the heads of a GQA group, or
 // successive positions of one head), so that each key and value row is read once for all.
-#ifdef SIMD_WIDE
 constexpr int GROUP = 4;
+constexpr int64_t MAX_HEAD_DIM = 256;  // Gemma's; Llama's are 64 and 128, llama2.c's 48 and 64
+// Chunks of sixteen outputs a pass over the value rows adds up: all of them with 32 registers
+// (a row is read once); one with 16, which hold a chunk's sums for the four queries.
+#ifdef SIMD_WIDE
+constexpr int64_t PV_CHUNKS = MAX_HEAD_DIM / 16;
 #else
-constexpr int GROUP = 1;  // sixteen registers hold one query's accumulators
+constexpr int64_t PV_CHUNKS = 1;
 #endif
 
-constexpr int64_t MAX_HEAD_DIM = 256;  // Gemma's; Llama's are 64 and 128, llama2.c's 48 and 64
 
 struct Query {
     const float* q;  // rotated, times 1 / sqrt(head_dim)
@@ -60,11 +63,14 @@ template <int FIXED> struct HeadSize {
     int64_t chunks() const { return (dim() + 15) / 16; }
 };
 
-// A row of a key or value head as sixteen-lane chunks; a last chunk of 8 is half filled, with zeros.
+// Chunk c of sixteen lanes of a row of a key or value head; a last chunk of 8 is half filled, with zeros.
+template <int FIXED, typename T> Floats16 load_chunk(HeadSize<FIXED> size, const T* p, int64_t c) {
+    return 16 * c + 16 <= size.dim() ? Floats16::load(p + 16 * c) : Floats16::join(load8(p + 16 * c), _mm256_setzero_ps());
+}
+
+// A row of a key or value head as sixteen-lane chunks.
 template <int FIXED, typename T> void load_row(HeadSize<FIXED> size, const T* p, Floats16* chunks) {
-    const int64_t whole = size.dim() / 16;
-    for (int64_t c = 0; c < whole; c++) chunks[c] = Floats16::load(p + 16 * c);
-    if (size.dim() % 16) chunks[whole] = Floats16::join(load8(p + 16 * whole), _mm256_setzero_ps());
+    for (int64_t c = 0; c < size.chunks(); c++) chunks[c] = load_chunk(size, p, c);
 }
 
 // The G queries of `group` (positions ascending), each computed as it would be alone: a score
@@ -81,14 +87,16 @@ void attend_group(HeadSize<FIXED> size, const Query* group, const T* k, const T*
     for (int64_t s0 = 0; s0 < most; s0 += 8) {  // eight positions at a time
         __m256 folded[G][8];
         for (int t = 0; t < 8; t++) {
-            Floats16 row[MC];
-            if (s0 + t < most) load_row(size, k + (s0 + t) * D, row);
-            for (int g = 0; g < G; g++) {
-                Floats16 acc = Floats16::zero();
-                if (s0 + t < group[g].positions)
-                    for (int64_t c = 0; c < C; c++) acc = fma(row[c], q[g][c], acc);
-                folded[g][t] = _mm256_add_ps(acc.low(), acc.high());
+            // Each chunk of the key row, loaded once, meets every query's lanes. A query past
+            // its own positions gets a score too, which the padding below overwrites.
+            Floats16 acc[G], chunk[MC];
+            for (int g = 0; g < G; g++) acc[g] = Floats16::zero();
+            if (s0 + t < most) {
+                load_row(size, k + (s0 + t) * D, chunk);
+                for (int64_t c = 0; c < C; c++)
+                    for (int g = 0; g < G; g++) acc[g] = fma(chunk[c], q[g][c], acc[g]);
             }
+            for (int g = 0; g < G; g++) folded[g][t] = _mm256_add_ps(acc[g].low(), acc[g].high());
         }
         for (int g = 0; g < G; g++)
             if (s0 < group[g].positions) _mm256_storeu_ps(group[g].scores + s0, hsum8(folded[g]));
@@ -110,17 +118,29 @@ void attend_group(HeadSize<FIXED> size, const Query* group, const T* k, const T*
         }
         inverse[g] = 1.0f / hsum(total);
     }
+    // The output PV_CHUNKS chunks of sixteen at a time: each chunk of a value row, loaded once,
+    // meets every query's weight for its position.
+    constexpr int64_t CB = std::min<int64_t>(PV_CHUNKS, MC);
     Floats16 acc[G][MC];
-    for (int g = 0; g < G; g++)
-        for (int64_t c = 0; c < C; c++) acc[g][c] = Floats16::zero();
-    for (int64_t s = 0; s < most; s++) {
-        Floats16 row[MC];
-        load_row(size, v + s * D, row);
+    for (int64_t c0 = 0; c0 < C; c0 += CB) {
+        const int64_t cb = std::min(CB, C - c0);
+        Floats16 sums[G][CB];
         for (int g = 0; g < G; g++)
-            if (s < group[g].positions) {
-                const Floats16 p = Floats16::all(group[g].scores[s]);
-                for (int64_t c = 0; c < C; c++) acc[g][c] = fma(row[c], p, acc[g][c]);
-            }
+            for (int64_t c = 0; c < CB; c++) sums[g][c] = Floats16::zero();
+        for (int64_t s = 0; s < most; s++) {
+            Floats16 row[CB];
+            if constexpr (CB == 1)
+                row[0] = load_chunk(size, v + s * D, c0);
+            else
+                load_row(size, v + s * D, row);
+            for (int g = 0; g < G; g++)
+                if (s < group[g].positions) {
+                    const Floats16 p = Floats16::all(group[g].scores[s]);
+                    for (int64_t c = 0; c < cb; c++) sums[g][c] = fma(row[c], p, sums[g][c]);
+                }
+        }
+        for (int g = 0; g < G; g++)
+            for (int64_t c = 0; c < cb; c++) acc[g][c0 + c] = sums[g][c];
     }
     alignas(64) float result[MC * 16];
     for (int g = 0; g < G; g++) {

@@ -168,7 +168,7 @@ using DenseLanes = Floats16;
 constexpr int64_t DENSE_KC = 1024;
 #else
 using DenseLanes = Floats8;
-constexpr int64_t DENSE_KC = 512;
+constexpr int64_t DENSE_KC = 1024;
 #endif
 
 template <typename X, typename W> struct DenseStep {
