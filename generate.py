@@ -15,17 +15,20 @@ import itertools
 import sys
 import time
 
-from llama_mini.cli import KERNELS, check_context, check_number, flag, run_main
+from llama_mini.cli import KERNELS, check_context, check_number, flag, run_main, utf8_text
 from llama_mini.device import DTYPES, bfloat16_notice, pick_device
 from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
 from llama_mini.kernels import on_kernels, use_fused_rmsnorm, use_matvec
+from llama_mini.memory import check_fits, kv_cache_bytes
 from llama_mini.quant import QUANTIZATIONS, parameter_count, quantized_notice
 from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
 # Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
-# tokenizer's longest): a prompt file longer than this cannot fit any context.
+# tokenizer's longest): a prompt file or a chat message longer than this cannot fit any context.
 MAX_PROMPT_BYTES = 131072 * 128
+# How far the chat reads on through a line too long to send before it stops waiting for its end.
+MAX_SKIPPED_BYTES = 4 * MAX_PROMPT_BYTES
 
 
 def parse_args(argv=None):
@@ -59,17 +62,6 @@ def parse_args(argv=None):
         if getattr(args, name) is not None:
             setattr(args, name, utf8_text(getattr(args, name), flag(name)))
     return args
-
-
-def utf8_text(raw, source: str) -> str:
-    """raw as text, or one line naming source. raw is bytes, or a str as Python reads argv and
-    stdin, where bytes that are not UTF-8 become lone surrogates that no tokenizer can encode."""
-    if isinstance(raw, str):
-        raw = raw.encode("utf-8", "surrogateescape")
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8") from None
 
 
 def read_prompt_file(path) -> str:
@@ -123,7 +115,7 @@ def chat(model, tokenizer, args) -> None:
     turns = []  # the user's and the model's messages, oldest first
     context = model.args.max_seq_len
     room = min(args.max_new_tokens, context // 2)  # the context kept free for each answer
-    lines = (utf8_text(line.rstrip(b"\r\n"), f"line {n} of the chat input") for n, line in enumerate(sys.stdin.buffer, 1))
+    lines = chat_messages(sys.stdin.buffer)
     for turn in itertools.count():
         print("> ", end="", flush=True)
         user = next(lines, None)
@@ -133,7 +125,12 @@ def chat(model, tokenizer, args) -> None:
         if not user.strip():
             continue
         turns.append({"role": "user", "content": user})
-        prompt_ids, dropped = shift_context(tokenizer, system, turns, context, room)
+        try:
+            prompt_ids, dropped = shift_context(tokenizer, system, turns, context, room)
+        except ValueError as e:  # a message the chat format cannot carry, such as Llama-2's [INST] markup
+            print(f"llama_mini: this message was not sent: {e}", file=sys.stderr)
+            turns.pop()
+            continue
         if prompt_ids is None:
             print(f"llama_mini: this message and the system prompt need more than the context of {context} "
                   "tokens; it was not sent: say it in fewer words", file=sys.stderr)
@@ -145,6 +142,34 @@ def chat(model, tokenizer, args) -> None:
             del turns[:dropped]
         answer = complete(model, tokenizer, prompt_ids, args, nth_seed(args, turn), continues_prompt=False)
         turns.append({"role": "assistant", "content": answer})
+
+
+def chat_messages(stream):
+    """The chat input's lines as text, each read only as far as a message can reach. A line too
+    long to send (MAX_PROMPT_BYTES), or not UTF-8, is refused in one line and the chat goes on;
+    a line still without an end past MAX_SKIPPED_BYTES (a stream such as /dev/zero) ends it.
+    A refused line is given as "", which the chat skips."""
+    for number in itertools.count(1):
+        line = stream.readline(MAX_PROMPT_BYTES + 1)
+        if not line:
+            return
+        if len(line) > MAX_PROMPT_BYTES and not line.endswith(b"\n"):
+            skipped = len(line)
+            while line and not line.endswith(b"\n"):
+                if skipped > MAX_SKIPPED_BYTES:
+                    raise ValueError(f"line {number} of the chat input runs past {MAX_SKIPPED_BYTES // 2**20} MiB without "
+                                     "a line break; the chat reads one message per line")
+                line = stream.readline(1 << 20)
+                skipped += len(line)
+            print(f"llama_mini: line {number} of the chat input is longer than {MAX_PROMPT_BYTES // 2**20} MiB, more "
+                  "text than any Llama context holds; it was not sent", file=sys.stderr)
+            yield ""  # nothing to send: the chat asks again
+            continue
+        try:
+            yield utf8_text(line.rstrip(b"\r\n"), f"line {number} of the chat input")
+        except ValueError as e:
+            print(f"llama_mini: {e}; it was not sent", file=sys.stderr)
+            yield ""
 
 
 def shift_context(tokenizer, system, turns, context: int, room: int):
@@ -160,6 +185,12 @@ def shift_context(tokenizer, system, turns, context: int, room: int):
     return (prompt_ids, len(turns) - 1) if len(prompt_ids) < context else (None, 0)
 
 
+def check_cache_fits(model, positions: int, device) -> None:
+    """Refuse, in one line, a KV cache of positions that cannot fit the device's free memory."""
+    needed = kv_cache_bytes(model.args, 1, positions, model.tok_embeddings.weight.dtype)
+    check_fits(needed, f"a KV cache of {positions} positions", device, "lower --max-seq-len or --max-new-tokens")
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     text = args.prompt
@@ -169,6 +200,11 @@ def main(argv=None) -> None:
     ckpt = resolve_run_folder(args.ckpt)
     fmt = detect_format(ckpt)
     tokenizer = open_tokenizer(checkpoint_tokenizer(ckpt, args.tokenizer))
+    if args.system is not None:  # a system prompt the chat format cannot carry: refused before the model loads
+        try:
+            tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": "Hi"}])
+        except ValueError as e:
+            raise ValueError(f"--system: {e}") from None
     start = time.perf_counter()
     model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len,
                             tokenizer_path=tokenizer.model_path, quantize=args.quantize)
@@ -191,11 +227,13 @@ def main(argv=None) -> None:
         print(notice, file=sys.stderr)
 
     if args.chat:
+        check_cache_fits(model, model.args.max_seq_len, device)
         return chat(model, tokenizer, args)
     if args.system is not None:
         prompt_ids = tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": text}])
     else:
         prompt_ids = tokenizer.encode(text, bos=True)
+    check_cache_fits(model, min(model.args.max_seq_len, len(prompt_ids) + args.max_new_tokens), device)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples}", flush=True)

@@ -41,15 +41,15 @@ def train(cfg: TrainConfig) -> Path:
     trainer = start_run(cfg)  # the run folder (checked, then locked), data, model, optimizer; resumed if asked
     cfg, main, folder = trainer.cfg, trainer.group.is_main, trainer.folder
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * trainer.group.world_size
-    log = MetricsLog(folder.path / METRICS, trainer.step) if main else None
-    if main:
-        print(trainer.describe())
-        if trainer.bf16 and (notice := bfloat16_notice(trainer.device, torch.bfloat16, "--dtype")):
-            print(notice)
+    log, finished = None, False
     # A progress bar on a terminal only (disable=None): in a log file its redraws are noise.
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
-    finished = False
     try:
+        if main:
+            log = MetricsLog(folder.path / METRICS, trainer.step)
+            print(trainer.describe())
+            if trainer.bf16 and (notice := bfloat16_notice(trainer.device, torch.bfloat16, "--dtype")):
+                print(notice)
         with GracefulStop() as stop:
             if trainer.step == 0:
                 first = trainer.evaluate()

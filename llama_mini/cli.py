@@ -71,3 +71,16 @@ def _shown(bound) -> str:
 def check_context(name: str, value) -> None:
     """Refuse a context length (or a number of positions) no model can have."""
     check_number(name, value, 1, MAX_CONTEXT, note=" tokens")
+
+
+
+def utf8_text(raw, source: str) -> str:
+    """raw as text, or one line naming source. raw is bytes, or a str as Python reads argv and
+    stdin, where bytes that are not UTF-8 become lone surrogates that no tokenizer can encode,
+    and no printed line, plot or JSON record can hold."""
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogateescape")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source} is not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); pass UTF-8") from None

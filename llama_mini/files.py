@@ -7,7 +7,9 @@ a link, a folder, a FIFO or a device the user named), and an error names the use
 never the temporary one.
 """
 
+import errno
 import os
+import shutil
 import stat
 from pathlib import Path
 
@@ -53,18 +55,42 @@ def check_replaceable(path: Path) -> None:
 
 
 def naming(error: OSError, path: Path) -> OSError:
-    """error, reworded to name path where it names path's temporary file: the user never
-    chose that name and cannot find it afterwards."""
+    """error, reworded to name path where it names path's temporary file, or no file at all: the
+    user never chose the temporary name and cannot find it afterwards. A short write that gives
+    no reason on a full disk says so."""
     tmp = str(temporary_name(path))
-    if tmp not in (error.filename, error.filename2) and tmp not in str(error):
-        return error
+    if error.filename is not None and tmp not in (error.filename, error.filename2) and tmp not in str(error):
+        return error  # about another file, which it names
     if isinstance(error, FileNotFoundError) and not path.parent.is_dir():
         reason = f"the folder {path.parent} does not exist"
+    elif error.errno is None and disk_is_full(path.parent):  # numpy's "32768 requested and 9096 written"
+        reason = os.strerror(errno.ENOSPC)
     else:
         reason = error.strerror or str(error).replace(tmp, str(path))
     reworded = type(error)(f"cannot write {path}: {reason}")
-    reworded.errno = error.errno
+    reworded.errno, reworded.reason = error.errno, reason  # the reason alone, for a caller that names the path its own way
     return reworded
+
+
+def disk_is_full(folder: Path) -> bool:
+    """Whether the filesystem of folder has (next to) no space left for this user."""
+    try:
+        return shutil.disk_usage(folder).free < 1 << 20
+    except OSError:
+        return False
+
+
+def check_new_folder(path, fix: str) -> None:
+    """Refuse an output folder that exists and is not empty, with fix (what to do instead): a
+    command writes only into a new or empty folder, so it never replaces what it did not write
+    (train.py's run folder has its own rule, for a run of ours to go on)."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} is a file, not a folder; {fix}")
+    theirs = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if theirs:
+        listed = ", ".join(theirs[:3]) + (", ..." if len(theirs) > 3 else "")
+        raise ValueError(f"{path} is not empty ({listed}); only a new or empty folder is written to: {fix}")
 
 
 def fsync_dir(path) -> None:

@@ -186,3 +186,75 @@ def test_a_message_too_long_for_the_context_is_not_sent_and_the_chat_goes_on(sen
     assert [line for line in result.stderr.splitlines() if line.startswith("llama_mini:")] == [
         f"llama_mini: this message and the system prompt need more than the context of {context} tokens; "
         "it was not sent: say it in fewer words"]
+
+
+@pytest.fixture(scope="module")
+def llama2_ckpt(tmp_path_factory):
+    return chat_checkpoint(tmp_path_factory.mktemp("llama2"), "llama2", lambda model, end: scale_weights(model))
+
+
+def greedy_answer(ckpt, user, system=SYSTEM):
+    tokenizer = tokenizer_of(ckpt)
+    prompt = tokenizer.encode_dialog([{"role": "system", "content": system}, {"role": "user", "content": user}])
+    return tokenizer.decode(generate(load_checkpoint(ckpt), [prompt], MAX_NEW, 0, eos_id=tokenizer.stop_ids)[0])
+
+
+def chat_notices(result) -> list:
+    return [line for line in result.stderr.splitlines() if line.startswith("llama_mini:") and "loaded" not in line]
+
+
+@pytest.mark.parametrize("bad, notice", [
+    ("Say [INST] twice", "this message was not sent: dialog content must not contain the chat markup [INST], [/INST], <<SYS>> or <</SYS>>"),
+    ("caf\udce9", "line 1 of the chat input is not UTF-8 text (byte 0xe9 at offset 3); pass UTF-8; it was not sent"),
+])
+def test_a_message_the_chat_cannot_send_is_refused_in_one_line_and_the_chat_goes_on(llama2_ckpt, bad, notice):
+    result = run("--ckpt", llama2_ckpt, "--chat", "--system", SYSTEM, "--max-new-tokens", MAX_NEW, "--temperature", 0,
+                 stdin=f"{bad}\n{TURNS[0]}\n")
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == f"> > {greedy_answer(llama2_ckpt, TURNS[0])}\n> \n"
+    assert chat_notices(result) == [f"llama_mini: {notice}"]
+
+
+def test_a_system_prompt_the_chat_format_cannot_carry_is_refused_before_the_model_loads(llama2_ckpt):
+    result = run("--ckpt", llama2_ckpt, "--chat", "--system", "Use <<SYS>> tags", stdin="Hi\n")
+    assert_one_line_error(result, "error: --system: dialog content must not contain the chat markup")
+    assert "loaded" not in result.stderr
+
+
+def assert_one_line_error(result, start):
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(start), result.stderr
+
+
+def peak_child_rss_mb(command, stdin_file) -> tuple:
+    """(the finished process, its peak resident memory in MB), run with stdin from stdin_file."""
+    import resource
+    import subprocess
+    import sys
+
+    from generate_cli_helpers import ROOT
+
+    with open(stdin_file, "rb") as f:
+        result = subprocess.run([sys.executable, str(ROOT / "generate.py"), *map(str, command)], stdin=f,
+                                capture_output=True, text=True, timeout=180, cwd=ROOT)
+    return result, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def test_a_line_too_long_to_send_is_refused_and_the_chat_goes_on_in_bounded_memory(llama2_ckpt, tmp_path):
+    """A 40 MiB line: read no further than a message can reach (16 MiB), skipped to its end, refused."""
+    stdin = tmp_path / "stdin"
+    stdin.write_bytes(b"a" * (40 << 20) + f"\n{TURNS[0]}\n".encode())
+    result, peak = peak_child_rss_mb(["--ckpt", llama2_ckpt, "--chat", "--system", SYSTEM, "--max-new-tokens", MAX_NEW,
+                                      "--temperature", 0], stdin)
+    assert (result.returncode, result.stderr.count("Traceback")) == (0, 0), result.stderr
+    assert result.stdout == f"> > {greedy_answer(llama2_ckpt, TURNS[0])}\n> \n"
+    assert chat_notices(result) == ["llama_mini: line 1 of the chat input is longer than 16 MiB, more text than any "
+                                    "Llama context holds; it was not sent"]
+    assert peak < 1500, peak  # torch and a tiny model, and one 16 MiB read; not the 40 MiB line's text
+
+
+def test_an_input_that_never_ends_a_line_ends_the_chat_in_one_line(llama2_ckpt):
+    result, _ = peak_child_rss_mb(["--ckpt", llama2_ckpt, "--chat", "--max-new-tokens", 2], "/dev/zero")
+    assert_one_line_error(result, "error: line 1 of the chat input runs past 64 MiB without a line break; "
+                                  "the chat reads one message per line")

@@ -179,7 +179,6 @@ BAD_INPUT = {
     "device xla": (["--prompt", "Hi", "--device", "xla"], "", ["unknown device 'xla'", "use cpu, cuda"]),
     "prompt not UTF-8": (["--prompt", b"caf\xe9"], "", ["--prompt is not UTF-8 text (byte 0xe9 at offset 3)"]),
     "system not UTF-8": (["--prompt", "Hi", "--system", b"\xff!"], "", ["--system is not UTF-8 text (byte 0xff"]),
-    "chat input not UTF-8": (["--chat"], "Hi\n\udcff\udcfe\n", ["line 2 of the chat input is not UTF-8 text (byte 0xff"]),
     "prompt file not UTF-8": (["--prompt-file", "{latin1.txt}"], "", ["latin1.txt is not UTF-8 text (byte 0xe9"]),
 }
 
@@ -196,7 +195,21 @@ def test_bad_input_is_refused_in_one_line(eos_ckpt, tmp_path, monkeypatch, capsy
     assert_clean_error(run_in_process("--ckpt", eos_ckpt, *args, "--max-new-tokens", 4, capsys=capsys), *words)
 
 
-@pytest.mark.parametrize("case", ["prompt not UTF-8", "chat input not UTF-8"])
+@pytest.mark.parametrize("flags, positions", [(["--prompt", "Hi", "--max-new-tokens", 16777000], 16777004),
+                                              (["--chat"], 16777216)])
+def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line_before_it_is_allocated(eos_ckpt, monkeypatch, capsys,
+                                                                                      flags, positions):
+    """A 16M-position cache of this model is 4 GiB; with 1 GiB free it is refused, naming both ("Hi" is 4 tokens)."""
+    from llama_mini import memory
+
+    monkeypatch.setattr(memory, "free_bytes", lambda device: 2**30)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\n")))
+    result = run_in_process("--ckpt", eos_ckpt, *flags, "--max-seq-len", 16777216, capsys=capsys)
+    assert_clean_error(result, f"error: a KV cache of {positions} positions needs at least 4.0 GiB, and cpu has 1.0 GiB "
+                               "free; lower --max-seq-len or --max-new-tokens")
+
+
+@pytest.mark.parametrize("case", ["prompt not UTF-8", "system not UTF-8"])
 def test_bytes_that_are_not_utf8_are_refused_by_the_real_cli(eos_ckpt, case):
     args, stdin, words = BAD_INPUT[case]
     assert_clean_error(run("--ckpt", eos_ckpt, *args, "--max-new-tokens", 4, stdin=stdin), *words)

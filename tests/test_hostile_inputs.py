@@ -295,8 +295,9 @@ def full_disk():  # files may not grow past 4 KiB: the first weights file cannot
 BAD_CONVERSIONS = {
     # name: (extra arguments, preexec_fn, expected fragment of the error)
     "shards that do not divide the heads": (["--to", "meta", "--shards", 3], None, "n_kv_heads 2 is not divisible by 3"),
-    "full disk during --to meta": (["--to", "meta"], full_disk, "cannot write"),
-    "full disk during --to hf": (["--to", "hf"], full_disk, "cannot write"),
+    "full disk during --to meta": (["--to", "meta"], full_disk, "cannot write {out}/consolidated.00.pth"),
+    "full disk during --to hf": (["--to", "hf"], full_disk, "cannot write {out}/model.safetensors"),
+    "full disk during --to gguf": (["--to", "gguf"], full_disk, "cannot write {out}: File too large"),
 }
 
 
@@ -305,7 +306,8 @@ def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
     """A refusal or a failed write leaves nothing behind that would block the next try."""
     extra, preexec, fragment = BAD_CONVERSIONS[case]
     result = run("llama_mini.formats.convert", files / "meta", tmp_path / "out", *extra, preexec_fn=preexec)
-    assert_refused(result, fragment)
+    assert_refused(result, fragment.format(out=tmp_path / "out"))
+    assert ".tmp-" not in result.stderr  # the user's name for the destination, never the hidden one written first
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither out nor a hidden .out.tmp-PID
     retry = run("llama_mini.formats.convert", files / "meta", tmp_path / "out", "--to", "meta")
     assert retry.returncode == 0, retry.stderr
@@ -313,8 +315,9 @@ def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
 
 BAD_CONVERT_FLAGS = {
     # name: (arguments after SRC DST, expected fragment of the error)
-    "max-shard-gb nan": (["--to", "hf", "--max-shard-gb", "nan"], "--max-shard-gb must be a finite number > 0, got nan"),
-    "max-shard-gb inf": (["--to", "hf", "--max-shard-gb", "inf"], "--max-shard-gb must be a finite number > 0, got inf"),
+    "max-shard-gb nan": (["--to", "hf", "--max-shard-gb", "nan"], "--max-shard-gb must be a finite number in (0, 1000000] (a million GB: one file), got nan"),
+    "max-shard-gb inf": (["--to", "hf", "--max-shard-gb", "inf"], "--max-shard-gb must be a finite number in (0, 1000000] (a million GB: one file), got inf"),
+    "max-shard-gb 1e308": (["--to", "hf", "--max-shard-gb", "1e308"], "--max-shard-gb must be in (0, 1000000] (a million GB: one file), got 1e+308"),
     "max-seq-len 0": (["--to", "native", "--max-seq-len", 0], "--max-seq-len must be in [1, 16777216] tokens, got 0"),
     "max-seq-len -5": (["--to", "hf", "--max-seq-len", -5], "--max-seq-len must be in [1, 16777216] tokens, got -5"),
     "gguf max-seq-len -1": (["--to", "gguf", "--max-seq-len", -1], "--max-seq-len must be in [1, 16777216] tokens, got -1"),
@@ -346,7 +349,7 @@ def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tm
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "notes.txt").write_text("mine")
     result = run("llama_mini.formats.convert", files / "native", tmp_path / "out", "--to", "hf")
-    assert_refused(result, "already exists and is not an empty folder")
+    assert_refused(result, "is not empty (notes.txt); only a new or empty folder is written to")
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["notes.txt"]
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
@@ -506,3 +509,32 @@ def test_generation_from_nan_logits_raises_a_clear_error():
     for temperature in (0.0, 0.8):
         with pytest.raises(ValueError, match="NaN"):
             llama_mini.generate(model, [[1, 2, 3]], 5, temperature=temperature)
+
+
+def test_a_destination_that_cannot_be_created_is_named_as_the_user_named_it(files, tmp_path, monkeypatch, capsys):
+    """A read-only parent folder (simulated: root may write anywhere) fails the hidden folder's
+    creation; the message names the destination."""
+    from llama_mini.cli import run_main
+    from llama_mini.formats import convert
+
+    real_mkdir = Path.mkdir
+
+    def read_only(path, *args, **kwargs):
+        if ".tmp-" in path.name:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    assert run_main(convert.main, [str(files / "native"), str(tmp_path / "out"), "--to", "hf"]) == 2
+    assert capsys.readouterr().err == f"error: cannot write {tmp_path / 'out'}: Permission denied\n"
+
+
+def test_the_corpus_writer_names_its_file_on_a_full_disk_and_refuses_a_folder(tmp_path):
+    def full_disk():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+    result = run("llama_mini.training.corpus", tmp_path / "stories.txt", preexec_fn=full_disk)
+    assert_refused(result, f"cannot write {tmp_path / 'stories.txt'}: File too large")
+    folder = run("llama_mini.training.corpus", f"{tmp_path / 'out'}/")
+    assert_refused(folder, f"{tmp_path / 'out'}/ is a folder; name the file to write, such as {tmp_path / 'out' / 'stories.txt'}")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -13,6 +13,10 @@ import typing
 from ..model import ModelArgs
 
 MAX_SIZE = 2**31 - 1
+# Constants whose sane range is far narrower than "positive": an eps of 1e30 flattens every
+# activation, a RoPE base of 1e-30 spins every frequency past float32's resolution. Llama's
+# values are 1e-5 and 1e-6, and 10,000 to 500,000 (long-context variants reach a few million).
+RANGES = {"norm_eps": (1e-12, 0.1), "rope_theta": (1.0, 1e12)}
 
 
 def check_fields(values: dict, types: dict, source) -> None:
@@ -60,6 +64,9 @@ def model_args(values: dict, source) -> ModelArgs:
     if unknown:
         raise ValueError(f"{source} has fields llama_mini does not know: {sorted(map(str, unknown))}")
     check_fields(values, fields, source)
+    for name, (low, high) in RANGES.items():
+        if name in values and not low <= values[name] <= high:
+            raise ValueError(f"{source}: field {name!r} is {brief(values[name])}; a Llama model's is from {low:g} to {high:g}")
     try:
         args = ModelArgs(**values)
     except ValueError as e:  # a combination ModelArgs refuses, e.g. dim not divisible by n_heads

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..cli import check_context, check_number, run_main
 from ..device import DTYPES
-from ..files import fsync_dir
+from ..files import check_new_folder, fsync_dir
 from ..quant import QUANTIZATIONS
 from ..tokenizers import check_vocab_size, open_tokenizer
 from .checkpoint import FORMATS, check_writable, checkpoint_tokenizer, find_tokenizer, load_checkpoint, save_checkpoint
@@ -43,21 +43,26 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
     dst = Path(dst)
     if to == "gguf":
         return convert_to_gguf(src, dst, gguf_type, dtype, tokenizer_path, max_seq_len)
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise ValueError(f"{dst} already exists and is not an empty folder; choose a new destination")
-    given = open_tokenizer(tokenizer_path) if tokenizer_path is not None else None  # a bad --tokenizer fails first
+    check_new_folder(dst, "choose a new destination")
     tokenizer_path = tokenizer_path or find_tokenizer(src)
+    # Opened, and so checked, before it is copied: a bad --tokenizer or a damaged vocabulary fails first.
+    tokenizer = open_tokenizer(tokenizer_path) if tokenizer_path is not None else None
     model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path, quantize=quantize)
-    if given is not None:
-        check_vocab_size(given, model.args.vocab_size, src)
+    if tokenizer is not None:
+        check_vocab_size(tokenizer, model.args.vocab_size, src)
     check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing
     target = dst.resolve()  # an empty folder, or a link to one, is replaced where it really is
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    tmp.mkdir()  # fails if it exists: everything inside it is then ours to remove
+    try:
+        tmp.mkdir()  # fails if it exists: everything inside it is then ours to remove
+    except OSError as e:
+        raise OSError(f"cannot write {dst}: {e.strerror or e}") from None
     try:
         save_checkpoint(model, tmp, format=to, tokenizer_path=tokenizer_path, shards=shards, max_shard_bytes=max_shard_bytes)
         os.rename(tmp, target)  # POSIX: replaces an empty folder in one step
+    except OSError as e:  # named as the user named it, not by the hidden folder it was written in
+        raise type(e)(str(e).replace(str(tmp), str(dst))) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # ours alone: created above, gone once renamed
     fsync_dir(target.parent)
@@ -93,7 +98,7 @@ def main(argv=None) -> None:
     p.add_argument("--max-seq-len", type=int, help="context length to record (default: SRC's, or 4096)")
     args = p.parse_args(argv)
     check_number("--shards", args.shards, 1)
-    check_number("--max-shard-gb", args.max_shard_gb, 0, low_open=True)
+    check_number("--max-shard-gb", args.max_shard_gb, 0, 10**6, low_open=True, note=" (a million GB: one file)")
     check_context("--max-seq-len", args.max_seq_len)
     if args.shards > 1 and args.to != "meta":
         raise ValueError("--shards applies to --to meta only")

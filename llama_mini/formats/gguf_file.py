@@ -30,6 +30,9 @@ from .files import GGUF_MAGIC
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
 MAX_DIMS = 4  # GGML_MAX_DIMS
+# The most strings one metadata array may hold: Llama-3 has 128,256 tokens and 280,147 merges;
+# the largest vocabularies in use have about 256,000 tokens and half a million merges.
+MAX_STRINGS = 1 << 21
 T = GGMLQuantizationType
 FLOATS = {T.F32: torch.float32, T.F16: torch.float16, T.BF16: torch.bfloat16}  # read as they are stored
 QUANTIZED = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)  # dequantized
@@ -92,7 +95,14 @@ class GGUFFile:
         for name, dims, kind, offset in infos:
             if name in self.tensors:
                 raise self._corrupt(f"tensor {name[:80]!r} appears twice")
+            if offset % alignment:  # llama.cpp places every tensor at a multiple of the alignment
+                raise self._corrupt(f"tensor {name[:80]!r} starts at offset {offset}, not a multiple of "
+                                    f"general.alignment {alignment}")
             self.tensors[name] = self._tensor_layout(name, dims, kind, data_start + offset)
+        in_order = sorted(self.tensors.items(), key=lambda item: item[1].start)
+        for (first, a), (second, b) in zip(in_order, in_order[1:]):
+            if a.start + a.nbytes > b.start:
+                raise self._corrupt(f"tensors {first[:80]!r} and {second[:80]!r} overlap")
 
     # --- Metadata --------------------------------------------------------------------------
 
@@ -137,6 +147,9 @@ class GGUFFile:
             raise ValueError(f"{self.path}: metadata {key[:80]!r} is an array of arrays, which llama.cpp does not read either")
         if item == GGUFValueType.STRING:
             self._check_count(count, 8, f"strings in {key[:80]!r}")
+            if count > MAX_STRINGS:  # refused before a Python string is made of each (about 60 bytes apiece)
+                raise self._corrupt(f"{key[:80]!r} holds {count} strings, more than any tokenizer's vocabulary "
+                                    f"or merges ({MAX_STRINGS})")
             return [self._string() for _ in range(count)], (kind, item)
         return self._numbers(item, count), (kind, item)
 

@@ -8,10 +8,12 @@ and loaded into torch.ops.llama_mini once per process.
 A binary is trusted only once it has loaded: a new build is loaded in a child process first
 (loading a damaged library can kill the process that loads it, with no error to catch), and
 only then are its size and hash written beside it, in <name>.json. A binary that does not
-match its record is loaded in a child again, and rebuilt once, with one notice, if it fails.
-A failed build is written in the record too: it is not tried again on this machine until the
-compiler, torch or the sources change (a new name), or the record is deleted. A compiler killed
-by a signal (out of memory, say) is tried again by the next process.
+match its record is never loaded: it is rebuilt, with one notice. A failed build is written
+in the record too: it is not tried again on this machine until the compiler, torch or the
+sources change (a new name), or the record is deleted. Every compiler call runs under a
+timeout, and one that passes it is a failed build (a compiler that hangs on --version is
+remembered by its path, size and time). A compiler killed by a signal (out of memory, say)
+is tried again by the next process.
 """
 
 import contextlib
@@ -53,7 +55,11 @@ ISAS = {
     "x86-64": (["-march=x86-64"], ()),
 }
 BUILD_NOTICE = "llama_mini: compiling the CPU kernels, once per machine (a minute or two)"
-REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} do not load; compiling them again (a minute or two)"
+REBUILD_NOTICE = "llama_mini: the cached CPU kernels {} are not the ones built there; compiling them again (a minute or two)"
+# Seconds a compiler call may take: --version answers at once; the build takes 70 s on 2 cores.
+VERSION_TIMEOUT, COMPILE_TIMEOUT = 30, 600
+# The operators a build registers: a library without them is not ours.
+OPERATORS = ("rms_norm", "linear_dense", "block")
 
 
 def isa() -> str:
@@ -89,9 +95,9 @@ def runnable_isas() -> list:
 
 def cache_dir() -> Path:
     """Where compiled kernels live: $LLAMA_MINI_CACHE, else $XDG_CACHE_HOME/llama_mini."""
-    if "LLAMA_MINI_CACHE" in os.environ:
+    if os.environ.get("LLAMA_MINI_CACHE"):  # set and not empty: an empty one is not the current folder
         return Path(os.environ["LLAMA_MINI_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama_mini"
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama_mini"
 
 
 def _compiler() -> str:
@@ -136,7 +142,7 @@ def _build_key(cxx: str) -> str:
         h.update(path.read_bytes())
     h.update(" ".join(CXX_FLAGS + isa_flags(isa())).encode())
     h.update(f"{torch.__version__} {Path(torch.__file__).parent} {torch._C._GLIBCXX_USE_CXX11_ABI}".encode())
-    h.update(subprocess.run([cxx, "--version"], capture_output=True).stdout)
+    h.update(_compiler_version(cxx))
     h.update(platform.machine().encode())
     try:
         cpu_flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(("flags", "Features", "model name"))]
@@ -144,6 +150,26 @@ def _build_key(cxx: str) -> str:
     except OSError:
         h.update(platform.processor().encode())
     return h.hexdigest()[:16]
+
+
+def _compiler_version(cxx: str) -> bytes:
+    """`cxx --version`, under a timeout; a compiler that passed it is remembered, by its path, size
+    and time, so that no later run waits for it again until it changes."""
+    try:
+        stat = os.stat(shutil.which(cxx) or cxx)
+        identity = f"{cxx} {stat.st_size} {stat.st_mtime_ns}"
+    except OSError:
+        identity = cxx
+    record = cache_dir() / f"{LIBRARY}-compiler-{hashlib.sha256(identity.encode()).hexdigest()[:16]}.json"
+    if record.is_file():
+        raise RuntimeError(f"{Path(cxx).name} --version did not answer in {VERSION_TIMEOUT} s; remembered from an "
+                           f"earlier run: delete {record} to try again")
+    try:
+        return subprocess.run([cxx, "--version"], capture_output=True, timeout=VERSION_TIMEOUT).stdout
+    except subprocess.TimeoutExpired:
+        record.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(record, lambda tmp: tmp.write_text(json.dumps({"failed": "--version timed out", "compiler": identity}) + "\n"))
+        raise RuntimeError(f"{Path(cxx).name} --version did not answer in {VERSION_TIMEOUT} s; torch's code runs instead") from None
 
 
 def library_path() -> Path:
@@ -194,12 +220,8 @@ def build(force: bool = False) -> Path:
         record = _read_record(lib)
         if not force and record.get("failed") and record.get("compiler") == cxx:
             raise RuntimeError(f"{record['failed']}; remembered from an earlier build: delete {_record_path(lib)} to try again")
-        notice = BUILD_NOTICE
-        if not force and lib.is_file():  # unrecorded (an older llama_mini's build), replaced or damaged
-            if _load_in_child(lib) is None:
-                _write_record(lib, _built_record(lib))
-                return lib
-            notice = REBUILD_NOTICE.format(lib)
+        # A file there that is not the one recorded (damaged, replaced, an older build) is never loaded.
+        notice = REBUILD_NOTICE.format(lib) if not force and lib.is_file() else BUILD_NOTICE
         print(notice, file=sys.stderr, flush=True)
         _remove_killed_builds(lib.parent)
         try:
@@ -214,7 +236,10 @@ def build(force: bool = False) -> Path:
 def _compile(cxx: str, out: Path) -> None:
     """Compile the sources into out, and load it in a child process: the binary is trusted only then."""
     command = [cxx, *CXX_FLAGS, *isa_flags(isa()), *map(str, SOURCES), "-o", str(out), *_torch_flags()]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    try:
+        result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"{Path(cxx).name} did not finish compiling the CPU kernels in {COMPILE_TIMEOUT} s") from None
     if result.returncode < 0:  # killed (out of memory, say): not the build's fault, so not remembered
         raise subprocess.SubprocessError(f"{Path(cxx).name} {_exit_status(result.returncode)} while compiling the CPU kernels")
     if result.returncode != 0:
@@ -227,10 +252,14 @@ def _compile(cxx: str, out: Path) -> None:
 
 
 def _load_in_child(lib: Path):
-    """None if lib loads into torch in a new process, else why not (a damaged library can kill
-    the process that loads it: this one must not be that process)."""
-    code = "import sys, torch; torch.ops.load_library(sys.argv[1])"
-    result = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=600)
+    """None if lib loads into torch in a new process and registers our operators, else why not
+    (a damaged library can kill the process that loads it: this one must not be that process)."""
+    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
+            f"[getattr(torch.ops.llama_mini, name) for name in {OPERATORS!r}]")
+    try:
+        result = subprocess.run([sys.executable, "-c", code, str(lib)], capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        return f"loading it did not finish in {COMPILE_TIMEOUT} s"
     if result.returncode == 0:
         return None
     lines = result.stderr.strip().splitlines()

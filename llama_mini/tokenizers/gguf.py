@@ -10,7 +10,9 @@ Both keep the file's BOS, EOS, end-of-turn (EOT) and end-of-message (EOM) ids, s
 and encode_dialog work as for Meta's files. Any other vocabulary is refused in one line.
 """
 
+import math
 import os
+import re
 
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, Keys, TokenType
@@ -21,8 +23,14 @@ from .llama3 import TiktokenTokenizer
 from .score_bpe import ScoreBpeTokenizer
 from .tokenizer_json import LLAMA3_CHAT_TOKENS, ranks_from_bpe
 
-LLAMA3_PRE_TOKENIZERS = ("llama-bpe", "llama3", "llama-v3")  # llama.cpp's names for Meta's pre-tokenizer
+# The pre-tokenizer labels llama.cpp reads with Meta's Llama-3 regex (its llama-vocab.cpp):
+# "llama-bpe" from its converter, "smaug-bpe" for a tokenizer.json that transformers made from
+# Meta's ranks, and the others of models that share the regex. The vocabulary itself must still be
+# Llama-3's byte-level BPE with its special tokens.
+LLAMA3_PRE_TOKENIZERS = ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx", "falcon3", "falcon-h1", "pixtral",
+                         "midm-2.0", "lfm2", "jina-v5-nano")
 UNKNOWN_PIECE = " \u2047 "  # what SentencePiece decodes <unk> to
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")  # SentencePiece's byte pieces
 # The ids a generation ends at, beside EOS: where the file names them, and as Llama-3 names them.
 STOP_KEYS = (Keys.Tokenizer.EOS_ID, Keys.Tokenizer.EOT_ID, Keys.Tokenizer.EOM_ID)
 LLAMA3_STOPS = ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")
@@ -40,7 +48,7 @@ def gguf_tokenizer(path) -> Tokenizer:
         return GgufLlama3(path, Vocabulary(file))
     what = "no vocabulary" if kind is None else f"a {kind!r} vocabulary" + (f" with pre-tokenizer {pre!r}" if kind == "gpt2" else "")
     raise ValueError(f"{path} holds {what}; llama_mini reads GGUF vocabularies of type 'llama' (SentencePiece) and "
-                     "'gpt2' with pre-tokenizer 'llama-bpe' (Llama-3); pass --tokenizer with the model's tokenizer file")
+                     "'gpt2' with Llama-3's pre-tokenizer ('llama-bpe'); pass --tokenizer with the model's tokenizer file")
 
 
 def _name(value):
@@ -91,13 +99,18 @@ class GgufSentencePiece(ScoreBpeTokenizer):
     def __init__(self, model_path, vocab: Vocabulary):
         if vocab.scores is None:
             raise vocab.refuse(f"a 'llama' vocabulary needs {Keys.Tokenizer.SCORES}")
+        if not all(map(math.isfinite, vocab.scores)):  # a NaN score would make every merge's order arbitrary
+            raise vocab.refuse(f"{Keys.Tokenizer.SCORES} holds NaN or inf")
+        known = set(vocab.tokens)  # SentencePiece merges by scores; merges, where present, must still name tokens
+        if any(part not in known for merge in vocab.merges for part in str(merge).split(" ")):
+            raise vocab.refuse(f"{Keys.Tokenizer.MERGES} names tokens that are not in the vocabulary")
         self.vocab = vocab
         pieces = [token.replace("\u2581", " ").encode("utf-8") for token in vocab.tokens]
         byte_ids = {}
         for i in sorted(vocab.of_type(TokenType.BYTE)):
             token = vocab.tokens[i]
-            if len(token) != 6 or not token.startswith("<0x") or not token.endswith(">"):
-                raise vocab.refuse(f"byte token {i} is {token[:20]!r}, not <0xXX>")
+            if not BYTE_TOKEN.fullmatch(token):
+                raise vocab.refuse(f"byte token {i} is {token[:20]!r}, not <0xXX> with two hex digits")
             byte_ids.setdefault(int(token[3:5], 16), i)
         for i in vocab.of_type(TokenType.UNKNOWN):
             pieces[i] = UNKNOWN_PIECE.encode("utf-8")

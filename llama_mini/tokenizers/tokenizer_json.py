@@ -61,6 +61,12 @@ def read_tokenizer_json(path) -> tuple[dict[bytes, int], dict[str, int]]:
     return ranks, special
 
 
+# Meta's Llama-3 ranks hold tokens of up to 128 bytes; a byte-level BPE token of more than twice
+# that is not Llama-3's (each is one character per byte).
+LLAMA3_LONGEST_TOKEN = 128
+MAX_TOKEN_BYTES = 2 * LLAMA3_LONGEST_TOKEN
+
+
 def ranks_from_bpe(vocab: dict[str, int], merges: list) -> dict[bytes, int]:
     """The tiktoken ranks that byte-level BPE tokens (GPT-2's alphabet, token -> id) and merge
     rules ("a b" or [a, b]) were made from, or ValueError(why not): the ids must be 0..n-1 and
@@ -68,6 +74,9 @@ def ranks_from_bpe(vocab: dict[str, int], merges: list) -> dict[bytes, int]:
     alphabet = _byte_alphabet()
     if not set("".join(vocab)) <= alphabet.keys():
         raise ValueError("a token outside the byte-level alphabet")
+    longest = max(map(len, vocab), default=0)
+    if longest > MAX_TOKEN_BYTES:  # each token's splits are checked below: a long one would take long
+        raise ValueError(f"a token of {longest} characters, longer than any of Llama-3's ({LLAMA3_LONGEST_TOKEN} bytes)")
     table = str.maketrans(alphabet)
     spelled = {token: token.translate(table).encode("latin-1") for token in vocab}
     ranks = {spelled[token]: i for token, i in vocab.items()}

@@ -34,7 +34,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from ..cli import check_number, run_main
-from ..files import atomic_write
+from ..files import atomic_write, check_new_folder
 from ..model import NORMS
 from ..trainer import NonFiniteLoss, Trainer
 from .run import start_run
@@ -79,7 +79,11 @@ class Run:
 
 
 def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Optional[float] = None) -> Path:
-    """Train every norm with every seed round-robin; write the report into out; return it."""
+    """Train every norm with every seed round-robin; write the report into the new folder out;
+    return it."""
+    check_new_folder(out, "pass --out a new folder")
+    if cfg.seed + seeds > 2**63:  # every seed is checked before the first run's folder is written
+        raise ValueError(f"--seed {cfg.seed} with --seeds {seeds} runs seeds past 2**63 - 1; pass a smaller --seed")
     out.mkdir(parents=True, exist_ok=True)
     # Where a model's tensors land in memory moves its step time measurably
     # (bench/norm_step_speed.py), and the order of building decides where they land:
@@ -253,7 +257,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--norms", default="rmsnorm,layernorm,none", help=f"comma-separated, from {', '.join(NORMS)} (default: rmsnorm,layernorm,none)")
     p.add_argument("--seeds", type=int, default=3, help="runs per norm, seeds --seed, --seed + 1, ... (default: 3)")
-    p.add_argument("--out", default="checkpoints/ablation", help="folder for report.md, metrics.csv and the plots (default: checkpoints/ablation)")
+    p.add_argument("--out", default="checkpoints/ablation", help="a new folder for report.md, metrics.csv, the plots and the runs (default: checkpoints/ablation)")
     p.add_argument("--target-loss", type=float, default=None, help="for the time-to-loss column (default: LayerNorm's final + 2%%)")
     add_arguments(p, ("data", *DEFAULTS, "lr", "norm_p", "seed", "vocab_size", "cache_dir", "device"), DEFAULTS)
     return p

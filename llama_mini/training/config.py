@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..cli import KERNELS, check_context, check_number, flag
+from ..cli import KERNELS, check_context, check_number, flag, utf8_text
 from ..device import DTYPES
 from ..model import NORMS, ModelArgs
 from .data import corpus_name
@@ -83,6 +83,9 @@ class TrainConfig:
             for f in dataclasses.fields(self):
                 if "scratch" in f.metadata and getattr(self, f.name) is None:
                     setattr(self, f.name, f.metadata["scratch"])
+        for name in ("data", "out", "run_name", "init_from", "cache_dir", "tokenizer", "prompt"):
+            if getattr(self, name) is not None:  # a path or text every line, record and plot must hold
+                utf8_text(getattr(self, name), flag(name))
         for name in ("max_steps", "batch_size", "grad_accum", "dim", "n_layers", "n_heads", "n_kv_heads",
                      "vocab_size", "save_every", "eval_every", "eval_iters", "keep_checkpoints"):
             check_number(flag(name), getattr(self, name), 1)

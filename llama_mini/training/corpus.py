@@ -30,6 +30,7 @@ after it, and with it the corpus digest pinned in tests/training/test_corpus.py.
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -193,6 +194,8 @@ def main(argv=None) -> None:
     out = p.parse_args(argv).out
     if out is None:
         raise ValueError("pass one argument, the file to write: python -m llama_mini.training.corpus OUT.txt")
+    if out.endswith(("/", os.sep)) and not Path(out).is_dir():  # a folder named, not a file (an existing folder: below)
+        raise ValueError(f"{out} is a folder; name the file to write, such as {Path(out) / 'stories.txt'}")
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, lambda tmp: tmp.write_text("\n\n".join(stories()) + "\n", encoding="utf-8"))

@@ -15,6 +15,7 @@ import torch
 from ..device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm
+from ..memory import check_fits, shape_parameters, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
@@ -31,9 +32,11 @@ def start_run(cfg: TrainConfig) -> Trainer:
     device = pick_device(cfg.device, group.local_rank)
     if cfg.fsdp and group.world_size == 1:
         raise ValueError("--fsdp shards the model across processes; launch with torchrun --nproc_per_node=K")
+    if not (cfg.resume or cfg.init_from):  # the shape is the flags': checked before any file is written
+        check_training_fits(cfg.model_args(cfg.vocab_size), cfg, device)
     folder = RunFolder(cfg.run_dir(), cfg.resume)
     saved = folder.read_state() if cfg.resume else None
-    if saved:
+    if saved is not None:
         cfg = folder.resumed_config(cfg, saved)
     group.join(device)
     try:
@@ -56,6 +59,8 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
         )
     start = folder.latest or cfg.init_from
     source = load_checkpoint(start, dtype=torch.float32) if start else None
+    if source:
+        check_training_fits(source.args, cfg, device)
     if source and not saved:
         cfg = finetune_config(cfg, source.args)
         quantization = getattr(source, "quantization", None)
@@ -80,6 +85,15 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores: free speed
     return trainer
+
+
+def check_training_fits(args, cfg: TrainConfig, device) -> None:
+    """Refuse, in one line, a model and batch whose training cannot fit the device's free memory."""
+    n = shape_parameters(args)
+    model = f"{n / 1e6:,.2f}M" if n < 1e15 else f"{n:.1e}"
+    fix = "lower --batch-size" + ("" if cfg.init_from or cfg.resume else ", --dim or --n-layers")
+    check_fits(training_bytes(args, cfg.batch_size, cfg.seq_len),
+               f"training {model} parameters on batches of {cfg.batch_size} x {cfg.seq_len} tokens", device, fix)
 
 
 def _data(cfg: TrainConfig, corpus, folder: RunFolder, group: ProcessGroup, source=None):

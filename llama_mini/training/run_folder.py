@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -62,6 +63,7 @@ class RunFolder:
         if resume:
             self.latest = self.find_latest()
             self.checkpoints = self.read_record() if (self.path / RUN_RECORD).exists() else self.found_checkpoints()
+            read_metrics(self.path / METRICS)  # refused now, before the folder is taken
         else:
             self.check_new()
 
@@ -117,14 +119,20 @@ class RunFolder:
     # -- resuming --
 
     def read_state(self) -> dict:
-        """The training state of the latest checkpoint."""
+        """The training state of the latest checkpoint, checked field by field: resuming from a
+        state that is not whole would restart the run and prune the checkpoints it should keep."""
         file = self.latest / TRAIN_STATE
         try:
-            return torch.load(file, map_location="cpu", weights_only=True)
+            state = torch.load(file, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise ValueError(f"cannot --resume: {file} is missing; not a training checkpoint") from None
         except Exception as e:  # a torn or foreign file: refuse it by name
             raise ValueError(f"cannot --resume: {file} is corrupt ({type(e).__name__})") from None
+        problem = state_problem(state, step_of(self.latest.name))
+        if problem:
+            raise ValueError(f"cannot --resume: {file} is not a training state of this run ({problem}); "
+                             f"point {LATEST} at an earlier checkpoint, or start a new --out")
+        return state
 
     def resumed_config(self, cfg, saved: dict):
         """cfg with the model shape it leaves open (None) taken from the run; refuses a flag that
@@ -183,7 +191,7 @@ class RunFolder:
             shutil.rmtree(tmp, ignore_errors=True)
             if not isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write as its own error
                 raise
-            reason = getattr(e, "strerror", None) or e
+            reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or e
             if self.latest:
                 then = f"{LATEST} still names {self.latest.name}. Free some space and --resume"
             else:  # --resume would find nothing to resume
@@ -210,6 +218,26 @@ class RunFolder:
         if self.lock:
             self.lock.release()
             self.lock = None
+
+
+# What train_state.pt holds (Trainer.state_dict without the model, and the run's config), by type.
+STATE_FIELDS = {"optimizer": dict, "step": int, "elapsed": (int, float), "data_rng": torch.Tensor,
+                "torch_rng": torch.Tensor, "cuda_rng": list, "python_rng": tuple, "config": dict, "data_digest": str}
+
+
+def state_problem(state, step: int) -> Optional[str]:
+    """What is wrong with a loaded train_state.pt of checkpoint step-<step>, or None."""
+    if not isinstance(state, dict):
+        return f"a {type(state).__name__}, not a dict"
+    missing = [k for k in STATE_FIELDS if k not in state]
+    if missing:
+        return f"{', '.join(missing)} missing"
+    wrong = [k for k, kind in STATE_FIELDS.items() if not isinstance(state[k], kind) or isinstance(state[k], bool)]
+    if wrong:
+        return f"{', '.join(wrong)} of the wrong type"
+    if state["step"] != step:
+        return f"it says step {state['step']}, in the folder of step {step}"
+    return None
 
 
 class _RecordingWriter:
@@ -251,7 +279,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, step: int):
         self.path = path
-        kept = [r for r in read_metrics(path) if r["step"] <= step] if step else []
+        kept = [r for r in read_metrics(path, notify=True) if r["step"] <= step] if step else []
         atomic_write(path, lambda tmp: tmp.write_text("".join(json.dumps(r) + "\n" for r in kept)))
         self.file = open(path, "a")
 
@@ -263,11 +291,35 @@ class MetricsLog:
         self.file.close()
 
 
-def read_metrics(path) -> list[dict]:
+def read_metrics(path, notify: bool = False) -> list[dict]:
+    """The records of a metrics log, each an object with an integer step. A torn last line is
+    what a crash mid-write leaves: it is dropped (with a notice, if notify). Any other line that
+    is not a record is refused in one line naming the file and the line."""
     path = Path(path)
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read the metrics log {path}: {getattr(e, 'strerror', None) or e}") from None
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] >= 0:
+            records.append(record)
+        elif number == len(lines):  # no newline after it: a write the crash cut short
+            if notify:
+                print(f"{path}: dropped its last line, cut short by a crash", file=sys.stderr)
+        else:
+            raise ValueError(f"{path} line {number} is not a metrics record of this run (a JSON object with a step); "
+                             "remove that line to resume")
+    return records
 
 
 def report_losses(run_dir: Path) -> None:

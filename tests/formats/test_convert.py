@@ -13,6 +13,7 @@ from llama2c_files import export  # llama2.c's export.py layout
 from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
 from llama_mini.formats.meta import meta_params
+from llama_mini.tokenizers.spm import train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,11 +108,23 @@ def convert_cli(*args):
 
 
 def test_convert_cli_writes_hf_with_the_tokenizer(tmp_path):
-    save_checkpoint(tiny_model(), tmp_path / "run", tokenizer_path=Path(__file__))  # any file stands in for it
+    text = "Tom had a red ball. He gave it to Sue, and she was glad. " * 40
+    tokenizer = train_sentencepiece(text.split(". "), vocab_size=300, model_path=tmp_path / "tok.model")
+    save_checkpoint(tiny_model(vocab_size=tokenizer.n_words), tmp_path / "run", tokenizer_path=tokenizer.model_path)
     result = convert_cli(tmp_path / "run", tmp_path / "hf", "--to", "hf")
     assert result.returncode == 0, result.stderr
-    assert detect_format(tmp_path / "hf") == "hf" and (tmp_path / "hf" / "tokenizer.model").is_file()
+    assert detect_format(tmp_path / "hf") == "hf"
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == (tmp_path / "tok.model").read_bytes()
     assert_same_weights(load_checkpoint(tmp_path / "hf"), load_checkpoint(tmp_path / "run"))
+
+
+def test_convert_refuses_a_tokenizer_it_cannot_read_before_writing(tmp_path):
+    """convert copies the tokenizer found with the checkpoint; one generate.py would refuse is refused now."""
+    save_checkpoint(tiny_model(), tmp_path / "run", tokenizer_path=Path(__file__))  # not a tokenizer
+    result = convert_cli(tmp_path / "run", tmp_path / "hf", "--to", "hf")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.startswith(f"error: {tmp_path / 'run' / 'tokenizer.model'} is not a tokenizer llama_mini reads")
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +171,7 @@ def test_convert_cli_into_a_users_folder_is_refused_and_touches_nothing(sources,
     (tmp_path / "mine" / "config.json").write_text("my own file")
     result = convert_cli(root / "native", tmp_path / "mine", "--to", "meta")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert result.stderr.strip() == f"error: {tmp_path / 'mine'} already exists and is not an empty folder; choose a new destination"
+    assert result.stderr.strip() == f"error: {tmp_path / 'mine'} is not empty (config.json); only a new or empty folder is written to: choose a new destination"
     assert [p.name for p in (tmp_path / "mine").iterdir()] == ["config.json"]
     assert (tmp_path / "mine" / "config.json").read_text() == "my own file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
@@ -177,7 +190,7 @@ def test_convert_cli_refuses_to_overwrite_without_traceback(tmp_path):
     save_checkpoint(tiny_model(), tmp_path / "b")
     result = convert_cli(tmp_path / "a", tmp_path / "b", "--to", "meta")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "error:" in result.stderr and "already exists" in result.stderr
+    assert "error:" in result.stderr and "is not empty" in result.stderr and "only a new or empty folder is written to" in result.stderr
 
 
 def test_hf_output_is_sharded_by_size_as_save_pretrained_does(tmp_path):
@@ -216,4 +229,4 @@ def test_convert_cli_max_shard_size(tmp_path):
     assert len(list((tmp_path / "hf").glob("model-*-of-*.safetensors"))) > 2
     assert_same_weights(load_checkpoint(tmp_path / "hf"), load_checkpoint(tmp_path / "run"))
     bad = convert_cli(tmp_path / "run", tmp_path / "hf2", "--to", "hf", "--max-shard-gb", "0")
-    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--max-shard-gb must be > 0" in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr and "--max-shard-gb must be in (0, 1000000]" in bad.stderr

@@ -261,6 +261,35 @@ def test_a_file_llama_mini_cannot_run_exactly_is_refused_in_one_line(tmp_path, c
     assert fragment in refusal(tmp_path, **case)
 
 
+@pytest.mark.parametrize("field, value, fragment", [
+    ("llama.attention.layer_norm_rms_epsilon", 1e30, "field 'norm_eps' is 1e+30; a Llama model's is from 1e-12 to 0.1"),
+    ("llama.rope.freq_base", 1e-30, "field 'rope_theta' is 1e-30; a Llama model's is from 1 to 1e+12"),
+])
+def test_constants_far_outside_any_llamas_are_refused_in_one_line(tmp_path, field, value, fragment):
+    assert fragment in refusal(tmp_path, fields={field: (value, V.FLOAT32)})
+
+
+def moved_offset(path, tensor: str, offset) -> None:
+    """Rewrite, in place, the data offset the file's tensor table gives tensor."""
+    reader = gguf.GGUFReader(path, "r+")
+    part = next(t for t in reader.tensors if t.name == tensor).field.parts[-1]
+    part[0] = offset(reader, part[0])
+    part.flush()
+
+
+@pytest.mark.parametrize("offset, fragment", [
+    (lambda reader, own: own + 4, "tensor 'output_norm.weight' starts at offset"),  # misaligned: 4 bytes on
+    (lambda reader, own: next(t for t in reader.tensors if t.name == "token_embd.weight").field.parts[-1][0],
+     "overlap"),  # onto another tensor's data
+])
+def test_a_tensor_table_that_lies_about_where_the_data_is_is_refused_in_one_line(tmp_path, offset, fragment):
+    path = write_gguf(tmp_path / "m.gguf", small_model().args, {k: (v, T.F32) for k, v in gguf_names(small_model()).items()})
+    moved_offset(path, "output_norm.weight", offset)
+    with pytest.raises(ValueError) as e:
+        load_checkpoint(path)
+    assert fragment in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+
+
 def test_linear_scaling_by_one_is_no_scaling(tmp_path):
     fields = {"llama.rope.scaling.type": ("linear", V.STRING), "llama.rope.scaling.factor": (1.0, V.FLOAT32)}
     path = write_gguf(tmp_path / "m.gguf", small_model().args, {k: (v, T.F32) for k, v in gguf_names(small_model()).items()},
@@ -328,3 +357,18 @@ def test_convert_reads_a_gguf_file_into_every_format_with_its_vocabulary(tmp_pat
     if to != "gguf":  # the vocabulary alone, not a second copy of the weights
         assert tokenizer.stat().st_size < gguf_file.stat().st_size / 10
         assert gguf.GGUFReader(tokenizer).tensors == []
+
+
+def test_convert_checks_the_vocabulary_it_copies(tmp_path, tokenizer_path):
+    """A GGUF model whose vocabulary is damaged (a NaN score) is refused before anything is
+    written, as generate.py would refuse the copy."""
+    path = export_gguf(small_model(), tmp_path / "model.gguf", tokenizer_path, "f32")
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields["tokenizer.ggml.scores"]
+    part = field.parts[field.data[5]]
+    part[0] = np.nan
+    part.flush()
+    result = convert(path, tmp_path / "out", "--to", "native")
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == f"error: {path}: its vocabulary is damaged (tokenizer.ggml.scores holds NaN or inf); download or convert it again"
+    assert not (tmp_path / "out").exists()

@@ -127,3 +127,59 @@ def test_a_compiler_killed_by_a_signal_is_tried_again_by_the_next_run(ckpt, tmp_
         result = generate(ckpt, tmp_path / "cache", cxx)
         assert result.returncode == 0 and calls(tmp_path) == run, result.stderr
         assert all("killed-c++ was killed by SIGKILL while compiling" in line for line in kernel_lines(result.stderr)[1:])
+
+
+def test_another_valid_library_at_the_cached_name_is_never_loaded_and_is_rebuilt(ckpt, binary, tmp_path):
+    """A shared library that loads but is not the one recorded (here, one without our operators):
+    its record does not match, so it is rebuilt before anything loads it."""
+    cxx = compiler(tmp_path, binary)
+    lib = library_path(tmp_path / "cache", cxx)
+    lib.parent.mkdir()
+    foreign = tmp_path / "foreign.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(foreign)], input="int f(void) { return 1; }\n",
+                   text=True, check=True)
+    lib.write_bytes(foreign.read_bytes())
+    first = generate(ckpt, tmp_path / "cache", cxx)
+    assert first.returncode == 0 and "Traceback" not in first.stderr, first.stderr
+    assert kernel_lines(first.stderr) == [build.REBUILD_NOTICE.format(lib)] and calls(tmp_path) == 1
+    assert lib.read_bytes() == binary
+
+
+def test_a_library_without_our_operators_is_not_trusted_even_once_it_loads(tmp_path):
+    foreign = tmp_path / "foreign.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-x", "c", "-", "-o", str(foreign)], input="int f(void) { return 1; }\n",
+                   text=True, check=True)
+    assert "has no attribute 'rms_norm'" in build._load_in_child(foreign)
+
+
+def hanging_compiler(folder: Path, on_version: bool) -> Path:
+    script = folder / "hanging-c++"
+    version = "sleep 60" if on_version else 'echo "stand-in c++ 1.0"; exit 0'
+    script.write_text(f'#!/bin/sh\nif [ "$1" = --version ]; then {version}; fi\necho build >> "{folder / "calls"}"\nsleep 60\n')
+    script.chmod(0o755)
+    return script
+
+
+@pytest.mark.parametrize("on_version", [True, False])
+def test_a_compiler_that_hangs_times_out_and_is_not_waited_for_again(tmp_path, monkeypatch, on_version):
+    """Hanging on --version or in the build: the call times out, the run goes on without the
+    kernels, and the next run fails at once from the record instead of waiting again."""
+    monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", str(hanging_compiler(tmp_path, on_version)))
+    monkeypatch.setattr(build, "VERSION_TIMEOUT", 1)
+    monkeypatch.setattr(build, "COMPILE_TIMEOUT", 1)
+    with pytest.raises(RuntimeError) as first:
+        build.build()
+    assert ("--version did not answer in 1 s" if on_version else "did not finish compiling the CPU kernels in 1 s") in str(first.value)
+    with pytest.raises(RuntimeError) as again:
+        build.build()
+    assert "remembered from an earlier" in str(again.value) and calls(tmp_path) == (0 if on_version else 1)
+
+
+@pytest.mark.parametrize("variable", ["LLAMA_MINI_CACHE", "XDG_CACHE_HOME"])
+def test_an_empty_cache_variable_means_the_default_cache_not_the_current_folder(monkeypatch, variable):
+    monkeypatch.delenv("LLAMA_MINI_CACHE", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    default = build.cache_dir()
+    monkeypatch.setenv(variable, "")
+    assert build.cache_dir() == default == Path.home() / ".cache" / "llama_mini"

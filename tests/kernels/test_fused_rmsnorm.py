@@ -262,6 +262,7 @@ def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkey
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 42; }\n')
     monkeypatch.setattr(build, "SOURCES", [small])
+    monkeypatch.setattr(build, "OPERATORS", ())  # it registers none
     first = build.build()
     assert first.parent == tmp_path and ctypes.CDLL(str(first)).answer() == 42
     assert capsys.readouterr().err == build.BUILD_NOTICE + "\n"  # one line, before compiling
@@ -284,6 +285,7 @@ def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path
     small = tmp_path / "small.cpp"
     small.write_text('#include <torch/library.h>\nextern "C" int answer() { return 7; }\n')
     monkeypatch.setattr(build, "SOURCES", [small])
+    monkeypatch.setattr(build, "OPERATORS", ())  # it registers none
     finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     killed = tmp_path / f".cpu_kernels-0123456789abcdef.so.tmp-{int(finished.stdout)}"  # its process is gone
     running = tmp_path / f".cpu_kernels-0123456789abcdef.so.tmp-{os.getpid()}"  # a build in progress

@@ -156,21 +156,27 @@ def test_a_non_gguf_tokenizer_is_copied_as_it_is(tmp_path):
 # --- Vocabularies refused in one line ----------------------------------------------------------
 
 
-def vocabulary_file(tmp_path, source, change) -> str:
-    """The one-line refusal of the fixture source's vocabulary, changed: change(fields) edits a dict
-    of its tokenizer fields, key -> (value, type, array item type)."""
+def changed_vocabulary(path, source, change):
+    """The fixture source's vocabulary, changed, written to path: change(fields) edits a dict of
+    its tokenizer fields, key -> (value, type, array item type)."""
     file = GGUFFile(require(GGUF_VOCAB / source))
     fields = {}
     for key, value in file.fields.items():
         if key.startswith("tokenizer."):
             fields[key] = (value if not isinstance(value, np.ndarray) else value.tolist(), *file.value_types[key])
     change(fields)
-    writer = gguf.GGUFWriter(str(tmp_path / "vocab.gguf"), "llama")
+    writer = gguf.GGUFWriter(str(path), "llama")
     for key, (value, kind, item) in fields.items():
         writer.add_key_value(key, value, kind, item)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.close()
+    return path
+
+
+def vocabulary_file(tmp_path, source, change) -> str:
+    """The one-line refusal of the fixture source's vocabulary, changed (changed_vocabulary)."""
+    changed_vocabulary(tmp_path / "vocab.gguf", source, change)
     with pytest.raises(ValueError) as e:
         open_tokenizer(tmp_path / "vocab.gguf")
     message = str(e.value)
@@ -199,6 +205,47 @@ def drop(*keys):
     (BPE, lambda f: f.__setitem__(Keys.Tokenizer.MERGES, (f[Keys.Tokenizer.MERGES][0][::-1], V.ARRAY, V.STRING)),
      "not Llama-3's byte-level BPE: its merge rules are not every split of every token, in the order"),
     (BPE, lambda f: f[Keys.Tokenizer.LIST][0].__setitem__(128002, "<|begin_of_text|>"), "a token appears twice"),
+    (SPM, lambda f: f[Keys.Tokenizer.SCORES][0].__setitem__(5, float("nan")), "tokenizer.ggml.scores holds NaN or inf"),
+    (SPM, lambda f: f[Keys.Tokenizer.LIST][0].__setitem__(3, "<0xZZ>"), "byte token 3 is '<0xZZ>', not <0xXX> with two hex digits"),
+    (SPM, lambda f: f[Keys.Tokenizer.LIST][0].__setitem__(3, "<0x-1>"), "byte token 3 is '<0x-1>', not <0xXX> with two hex digits"),
+    (SPM, set_field(Keys.Tokenizer.MERGES, ["zzzq qqqz"], V.ARRAY, V.STRING), "tokenizer.ggml.merges names tokens that are not in"),
+    (SPM, set_field(Keys.Tokenizer.EOS_ID, -1, V.INT32), "tokenizer.ggml.eos_token_id is -1, not a token id"),
+    (BPE, lambda f: f[Keys.Tokenizer.LIST][0].__setitem__(1000, "a" * 400_000),  # checking its splits took 30 s
+     "not Llama-3's byte-level BPE: a token of 400000 characters, longer than any of Llama-3's (128 bytes)"),
 ])
 def test_a_vocabulary_llama_mini_cannot_encode_exactly_is_refused_in_one_line(tmp_path, source, change, fragment):
     assert fragment in vocabulary_file(tmp_path, source, change)
+
+
+# The tokenizer.ggml.pre labels llama.cpp 0.3.36's src/llama-vocab.cpp reads with Llama-3's regex
+# (LLAMA_VOCAB_PRE_TYPE_LLAMA3, and SMAUG and DBRX, whose regex is "same as llama3").
+LLAMA_CPP_LLAMA3_REGEX_LABELS = ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                                 "jina-v5-nano", "smaug-bpe", "dbrx"]
+
+
+@pytest.mark.parametrize("label", LLAMA_CPP_LLAMA3_REGEX_LABELS)
+def test_every_label_llama_cpp_reads_with_llama3s_regex_reads_as_llama3(tmp_path, label):
+    """llama.cpp's converter labels a tokenizer.json that transformers made from Meta's ranks
+    "smaug-bpe"; llama.cpp reads it, and the others here, with Llama-3's pre-tokenizer."""
+    path = changed_vocabulary(tmp_path / "vocab.gguf", BPE, set_field(Keys.Tokenizer.PRE, label))
+    tokenizer = open_tokenizer(path)
+    assert isinstance(tokenizer, GgufLlama3)
+    for text, ids in vectors(BPE):
+        assert tokenizer.encode(text, bos=False) == ids, text
+
+
+def test_a_vocabulary_of_more_strings_than_any_tokenizers_is_refused_before_they_are_read(tmp_path):
+    """Three million one-letter tokens (27 MB) would take about 14 times their bytes as Python
+    strings; the count is refused from the array's header."""
+    from llama_mini.formats.gguf_file import MAX_STRINGS
+
+    count = MAX_STRINGS + 1
+    key = Keys.Tokenizer.LIST.encode()
+    header = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+    entry = len(key).to_bytes(8, "little") + key + int(V.ARRAY).to_bytes(4, "little") + int(V.STRING).to_bytes(4, "little")
+    (tmp_path / "v.gguf").write_bytes(header + entry + count.to_bytes(8, "little")
+                                      + b"\x01\x00\x00\x00\x00\x00\x00\x00a" * count)
+    with pytest.raises(ValueError) as e:
+        open_tokenizer(tmp_path / "v.gguf")
+    assert str(e.value) == (f"{tmp_path / 'v.gguf'} is truncated or corrupt ('tokenizer.ggml.tokens' holds {count} strings, "
+                            f"more than any tokenizer's vocabulary or merges ({MAX_STRINGS})); download or convert it again")

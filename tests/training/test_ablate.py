@@ -188,3 +188,23 @@ def test_unknown_norm_is_a_one_line_error(capsys):
 def test_a_bad_flag_is_a_one_line_error_naming_it(capsys, flags, message):
     assert main(flags) == 2
     assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_out_holding_a_users_files_is_refused_and_left_as_it_was(tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "report.md").write_text("my report")
+    (out / "metrics.csv").write_text("my,metrics\n")
+    assert main(["--out", str(out), "--max-steps", "1"]) == 2
+    assert capsys.readouterr().err == (f"error: {out} is not empty (metrics.csv, report.md); only a new or empty "
+                                       "folder is written to: pass --out a new folder\n")
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.csv", "report.md"]
+    assert (out / "report.md").read_text() == "my report" and (out / "metrics.csv").read_text() == "my,metrics\n"
+
+
+def test_seeds_past_the_last_are_refused_before_anything_is_written(tmp_path, capsys, data):
+    out = tmp_path / "ablation"
+    args = flags(**TINY, **data, norms="rmsnorm", seeds=2, seed=2**63 - 1, max_steps=1, out=out, device="cpu")
+    assert main(args) == 2
+    assert capsys.readouterr().err == f"error: --seed {2**63 - 1} with --seeds 2 runs seeds past 2**63 - 1; pass a smaller --seed\n"
+    assert not out.exists()

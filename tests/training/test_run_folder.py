@@ -85,6 +85,11 @@ def no_bos_tokenizer(tmp_path_factory) -> Path:
         (["--tokenizer", "NO_BOS"], "without BOS/EOS tokens"),
         (["--prompt", "Once upon a time " * 20, "--sample-tokens", 5], "--prompt is"),  # found once the tokenizer is built
         (["--init-from", "MISSING"], "checkpoint not found"),
+        # Sizes no machine holds: refused from the shape, before a tokenizer, a folder or an allocation.
+        (["--dim", 2**31, "--n-heads", 8], "error: training 5.5e+19 parameters on batches of 4 x 32 tokens needs at least 2**69 bytes, and cpu has"),
+        (["--dim", 2**63, "--n-heads", 8], "training 1.0e+39 parameters on batches of 4 x 32 tokens needs at least 2**133 bytes, and cpu has"),
+        (["--n-layers", 2**31], "training 61,710,090.12M parameters on batches of 4 x 32 tokens needs at least 930.0 TiB, and cpu has"),
+        (["--batch-size", 2**31], f"training 0.04M parameters on batches of {2**31} x 32 tokens needs at least 208.0 TiB, and cpu has"),
     ],
 )
 def test_bad_flag_is_refused_in_one_line_leaving_no_folder(capsys, tmp_path, data, no_bos_tokenizer, args, fragment):
@@ -92,6 +97,16 @@ def test_bad_flag_is_refused_in_one_line_leaving_no_folder(capsys, tmp_path, dat
     err = refused(capsys, *data, *TINY, "--max-steps", 2, "--out", tmp_path / "new" / "run", *args)
     assert fragment in err
     assert not (tmp_path / "new").exists()  # not the run folder, nor the folder above it, nor train.lock
+
+
+def test_an_out_folder_whose_name_is_not_utf8_is_refused_before_any_work(tmp_path, data):
+    """Python hands argv's non-UTF-8 bytes over as lone surrogates, which no printed line or plot holds."""
+    out = os.fsencode(tmp_path) + b"/run\xff"
+    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *map(str, data), *map(str, TINY), "--max-steps", "2",
+                             "--out", out], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --out is not UTF-8 text (byte 0xff at offset {len(os.fsencode(tmp_path)) + 4}); pass UTF-8"]
+    assert not os.path.exists(out)
 
 
 @pytest.mark.parametrize("name", ["../../x", "a/b", "..", "", "ABSOLUTE"])
@@ -306,3 +321,53 @@ def test_a_run_record_naming_anything_but_checkpoints_is_refused(capsys, tmp_pat
     err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--resume")
     assert f"error: {out / 'run.json'}" in err and ("is corrupt" in err or "not step-N checkpoints of this run" in err)
     assert sorted(p.name for p in out.glob("step-*")) == ["step-000002", "step-000004"]
+
+
+# --- A run's own files are checked like anyone else's ------------------------------------------
+
+
+@pytest.mark.parametrize("state, problem", [
+    ({}, "optimizer, step, elapsed, data_rng, torch_rng, cuda_rng, python_rng, config, data_digest missing"),
+    ([1, 2], "a list, not a dict"),
+    ("STEP_2", "it says step 2, in the folder of step 4"),
+    ("STEP_FLOAT", "step of the wrong type"),
+])
+def test_a_training_state_that_is_not_whole_is_refused_and_no_checkpoint_is_lost(capsys, tmp_path, data, finished_run, state, problem):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    file = out / "step-000004" / "train_state.pt"
+    if isinstance(state, str):  # the run's own state from step 2, or with its step a float
+        real = torch.load(out / "step-000002" / "train_state.pt", weights_only=True)
+        state = real if state == "STEP_2" else {**real, "step": 4.0}
+    torch.save(state, file)
+    before = tree(out)
+    err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--save-every", 2, "--keep-checkpoints", 1, "--resume")
+    assert err == (f"error: cannot --resume: {file} is not a training state of this run ({problem}); "
+                   "point latest at an earlier checkpoint, or start a new --out")
+    assert tree(out) == before  # both checkpoints kept, nothing written
+
+
+@pytest.mark.parametrize("line", ["{}", "[1]", '{"step": "2"}', "not json"])
+def test_a_metrics_line_that_is_not_a_record_is_refused_naming_the_file_and_line(capsys, tmp_path, data, finished_run, line):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    metrics = out / "metrics.jsonl"
+    lines = metrics.read_text().splitlines()
+    metrics.write_text("\n".join([*lines[:2], line, *lines[2:]]) + "\n")
+    before = tree(out)
+    err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--resume")
+    assert err == f"error: {metrics} line 3 is not a metrics record of this run (a JSON object with a step); remove that line to resume"
+    assert tree(out) == before
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice_and_the_run_resumes(capsys, tmp_path, data, finished_run):
+    """A crash mid-write leaves exactly this: a record cut off, with no newline after it."""
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    metrics = out / "metrics.jsonl"
+    records = read_metrics(metrics)
+    metrics.write_text(metrics.read_text() + '{"step": 5, "time": 1.2, "train_lo')
+    assert train(*data, *TINY, "--out", out, "--max-steps", 6, "--resume") == 0
+    assert f"{metrics}: dropped its last line, cut short by a crash" in capsys.readouterr().err
+    resumed = read_metrics(metrics)
+    assert resumed[: len(records)] == records and [r["step"] for r in resumed[len(records):]] == [5, 6]
