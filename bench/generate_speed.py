@@ -262,6 +262,9 @@ def implementations(size, args, folder, max_seq_len, quality_prompt):
             lambda p, longest, m=model: OursFar(m, p, longest))
         out[f"llama_mini {variant}"].f32_error = f32_errors.get(f"llama_mini {variant}")
         if args.compile:
+            # Each variant compiles its own graphs (a decoding step, a prompt, a logits call) from the
+            # one Transformer.forward; dynamo's default of 8 per function would leave the last ones eager.
+            torch._dynamo.config.recompile_limit = 64
             compiled = copy.deepcopy(model)
             compiled.compile(dynamic=True)
             out[f"llama_mini+compile {variant}"] = Implementation(

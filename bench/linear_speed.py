@@ -7,6 +7,10 @@ positions): this sets each of a 110M's or a 1B's seven layer shapes and its outp
 activations times a weight matrix, in the same interleaved rounds. Figures are GFLOP/s of the
 whole model's layers at each row count (2 x rows x weights / time), medians over the rounds.
 
+--off-kernels times instead the int8 and int4 layers as they run off the kernels (a GPU, a Mac,
+an ARM CPU, --kernels off): each call dequantizes its weight, then multiplies in float32;
+eager and under torch.compile, one row (a decoding step) against F.linear on the float weights.
+
 The instruction set is named on every line: the kernels' (LLAMA_MINI_ISA, default native) and
 torch's (ATen's capability; MKL and oneDNN follow MKL_ENABLE_INSTRUCTIONS and
 ONEDNN_MAX_CPU_ISA). To run both as a CPU with AVX2 and no AVX-512 would, on one with it:
@@ -42,6 +46,36 @@ def timed(run) -> float:
     return time.perf_counter() - start
 
 
+def off_kernels(sizes, rounds: int) -> None:
+    """The integer layers off the kernels against F.linear on their float weights, one row."""
+    from llama_mini.quant.layers import Int4Linear, Int8Linear
+
+    torch._dynamo.config.recompile_limit = 64  # one graph per layer shape and type
+    g = torch.Generator().manual_seed(0)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, off the kernels, one row; median of {rounds} rounds")
+    for size in sizes:
+        weights = [torch.randn(n, k, generator=g) for n, k in SHAPES[size]]
+        xs = [torch.randn(1, w.shape[1], generator=g) for w in weights]
+        runs = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
+        for name, kind in (("int8", Int8Linear), ("int4", Int4Linear)):
+            layers = [kind.from_weight(w) for w in weights]
+            runs[name] = layers
+            runs[f"{name} compiled"] = [torch.compile(layer) for layer in layers]
+        runs["F.linear compiled"] = [torch.compile(lambda x, w=w: F.linear(x, w)) for w in weights]
+        times = {name: [] for name in runs}
+        with torch.inference_mode():
+            for layers in runs.values():  # warm up, and compile
+                for x, layer in zip(xs, layers):
+                    layer(x)
+            for _ in range(rounds):
+                for name, layers in runs.items():
+                    times[name].append(timed(lambda: [layer(x) for x, layer in zip(xs, layers)]))
+        base = statistics.median(times["F.linear"])
+        for name in runs:
+            t = statistics.median(times[name])
+            print(f"{size} {name:>18}: {t * 1e3:8.2f} ms a step, {base / t:5.2f}x F.linear's speed")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", nargs="+", default=["110M", "1B"], choices=SHAPES)
@@ -49,9 +83,12 @@ def main():
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, help="CPU threads (default: torch's choice)")
+    p.add_argument("--off-kernels", action="store_true", help="int8 and int4 off the kernels, eager and compiled, one row")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.off_kernels:
+        return off_kernels(args.sizes, args.rounds)
     ops = matvec.operators()
     if ops is None:
         sys.exit("no CPU kernels here (they need x86-64 with AVX2 and FMA)")
