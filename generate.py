@@ -13,16 +13,11 @@ prompt stays), with a notice, as llama.cpp's context shift does.
 import argparse
 import itertools
 import sys
-import time
 
-from llama_mini.cli import KERNELS, check_context, check_number, flag, run_main, utf8_text
-from llama_mini.device import DTYPES, bfloat16_notice, pick_device
-from llama_mini.formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
+from llama_mini.cli import check_context, check_number, flag, run_main, utf8_text
 from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
-from llama_mini.kernels import on_kernels, use_fused_rmsnorm, use_matvec
+from llama_mini.inference import add_model_arguments, load_model, open_checkpoint
 from llama_mini.memory import check_fits, kv_cache_bytes
-from llama_mini.quant import QUANTIZATIONS, parameter_count, quantized_notice
-from llama_mini.tokenizers import check_vocab_size, open_tokenizer
 
 # Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
 # tokenizer's longest): a prompt file or a chat message longer than this cannot fit any context.
@@ -33,8 +28,7 @@ MAX_SKIPPED_BYTES = 4 * MAX_PROMPT_BYTES
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="checkpoint: a llama_mini run, Meta or Hugging Face folder, a GGUF file, or a llama2.c .bin/.pt file")
-    p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own; a GGUF file's is inside it)")
+    add_model_arguments(p)
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="text to continue")
     source.add_argument("--prompt-file", help="file whose text to continue")
@@ -46,12 +40,6 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
     p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)
-    p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
-    p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
-    p.add_argument("--device", help="default: cuda, else mps, else cpu")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
-    p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="auto: llama_mini's CPU kernels where they run (default); off: model.py's own code")
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
     args = p.parse_args(argv)
     check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, name=flag)
@@ -196,35 +184,14 @@ def main(argv=None) -> None:
     text = args.prompt
     if args.prompt_file is not None:  # read before the model: a bad file fails fast
         text = read_prompt_file(args.prompt_file)
-    device = pick_device(args.device)
-    ckpt = resolve_run_folder(args.ckpt)
-    fmt = detect_format(ckpt)
-    tokenizer = open_tokenizer(checkpoint_tokenizer(ckpt, args.tokenizer))
+    ckpt, fmt, tokenizer = open_checkpoint(args)
     if args.system is not None:  # a system prompt the chat format cannot carry: refused before the model loads
         try:
             tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": "Hi"}])
         except ValueError as e:
             raise ValueError(f"--system: {e}") from None
-    start = time.perf_counter()
-    model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=args.max_seq_len,
-                            tokenizer_path=tokenizer.model_path, quantize=args.quantize)
-    check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
-    n_params = parameter_count(model)
-    quantization = getattr(model, "quantization", None)
-    quantized = f" with {quantization['method']} weights" if quantization else ""
-    print(
-        f"loaded {fmt} checkpoint {ckpt}: {n_params / 1e6:.1f}M parameters, "
-        f"{model.tok_embeddings.weight.dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
-        file=sys.stderr,
-    )
-    if args.compile:
-        model.compile(dynamic=True)
-    elif device.type == "cpu" and args.kernels == "auto":
-        use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
-    if not on_kernels(model) and (notice := bfloat16_notice(device, model.tok_embeddings.weight.dtype, "--dtype")):
-        print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
-    if quantization and not args.compile and not on_kernels(model) and (notice := quantized_notice(model)):
-        print(notice, file=sys.stderr)
+    model = load_model(args, ckpt, fmt, tokenizer, args.max_seq_len)
+    device = model.tok_embeddings.weight.device
 
     if args.chat:
         check_cache_fits(model, model.args.max_seq_len, device)

@@ -69,7 +69,8 @@ def train(cfg: TrainConfig) -> Path:
                 if trainer.step % cfg.eval_every == 0 or done:
                     record.update(trainer.evaluate())
                     if main:
-                        bar.write(f"step {trainer.step}: val loss {record['val_loss']:.4f}, perplexity {record['val_ppl']:.2f}")
+                        bar.write(f"step {trainer.step}: val loss {record['val_loss']:.4f} nats/token, "
+                                  f"{record['val_bpb']:.4f} bits/byte, perplexity {record['val_ppl']:.2f}")
                 if main:
                     log.write(record)
                 stopping = trainer.group.any(stop.requested, trainer.device)

@@ -20,6 +20,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from .bits_per_byte import TextBytes, bits_per_byte
 from .generation import generate
 from .model import ModelArgs, Transformer
 from .tokenizers.base import Tokenizer
@@ -92,6 +93,7 @@ class Trainer:
         self.cfg, self.raw_model, self.model, self.optimizer = cfg, raw_model, model, optimizer
         self.tokens, self.group, self.device = tokens, group, device
         self.folder, self.tokenizer, self.corpus = folder, tokenizer, corpus
+        self.text_bytes = TextBytes(tokenizer)
         self.args = raw_model.args
         self.n_params = sum(p.numel() for p in raw_model.parameters())
         self.data_rng = torch.Generator().manual_seed(cfg.seed)
@@ -169,18 +171,21 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean loss and perplexity on the same eval_iters * batch_size windows of the
-        validation split every time, spread evenly over it; shared out among processes."""
+        """Mean loss (nats per token), perplexity and bits per byte on the same eval_iters *
+        batch_size windows of the validation split every time, spread evenly over it; shared
+        out among processes."""
         B, T, world = self.cfg.batch_size, self.cfg.seq_len, self.group.world_size
         starts = self.tokens.even_starts("val", self.cfg.eval_iters * B * world, T).view(world, -1)[self.group.rank]
         self.model.eval()
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # nats, bytes
         for chunk in starts.split(B):
             x, y = self.tokens.windows("val", chunk, T)
-            total += self.loss(x.to(self.device), y.to(self.device)) * len(chunk)
+            nats = self.loss(x.to(self.device), y.to(self.device)).double() * y.numel()
+            total += torch.stack([nats, torch.tensor(self.text_bytes.count(x, y), dtype=torch.float64, device=self.device)])
         self.model.train()
-        val_loss = self.group.sum(total).item() / len(starts) / world
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))}
+        nats, n_bytes = self.group.sum(total).tolist()
+        val_loss = nats / (len(starts) * world * T)
+        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700)), "val_bpb": bits_per_byte(nats, n_bytes)}
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
         """The model's continuation of prompt (temperature 0.6, top-p 0.9, seeded by cfg.seed)."""

@@ -219,11 +219,11 @@ def test_bytes_that_are_not_utf8_are_refused_by_the_real_cli(eos_ckpt, case):
 def test_bf16_off_the_kernels_on_a_cpu_without_fast_bf16_products_says_what_it_costs(ckpt, capsys, monkeypatch, on_kernels):
     """--compile (or a CPU the kernels do not run on) leaves bf16 products to torch: where they are
     slow, one line says how slow and what to use. On the kernels bf16 runs in float32 tiles."""
-    from llama_mini import device
+    from llama_mini import device, inference
 
     cli = load_cli()
     monkeypatch.setattr(device, "bfloat16_slowdown", lambda: 14.6)
-    monkeypatch.setattr(cli, "on_kernels", lambda model: on_kernels)
+    monkeypatch.setattr(inference, "on_kernels", lambda model: on_kernels)
     cli.main(["--ckpt", str(ckpt), "--prompt", "Hi", "--max-new-tokens", "2", "--dtype", "bfloat16"])
     note = ("note: on this CPU torch multiplies bfloat16 matrices 15x slower than float32 ones (it has no AVX-512 "
             "BF16 or AMX); --dtype float32 runs faster here")

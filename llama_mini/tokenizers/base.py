@@ -13,11 +13,18 @@ class Tokenizer:
     bos_id: int
     eos_id: int
     pad_id: int
+    dummy_prefix = False  # SentencePiece's families put a space before the text they encode
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         raise NotImplementedError
 
     def decode(self, ids) -> str:
+        raise NotImplementedError
+
+    def token_bytes(self) -> list[bytes]:
+        """The text each id stands for in a decoded text, as UTF-8 bytes (b"" for BOS, EOS and
+        other control tokens): what bits per byte counts. With a dummy prefix, the first
+        token of a text stands for one byte less than its piece."""
         raise NotImplementedError
 
     @property

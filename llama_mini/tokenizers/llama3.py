@@ -76,6 +76,12 @@ class TiktokenTokenizer(Tokenizer):
     def decode(self, ids) -> str:
         return self.model.decode(list(ids))
 
+    def token_bytes(self) -> list[bytes]:
+        out = [b""] * self.n_words  # the special tokens stand for no text
+        for piece, i in self.ranks.items():
+            out[i] = piece
+        return out
+
     def encode_dialog(self, dialog: list[dict]) -> list[int]:
         return chat_format.llama3_dialog(self, dialog)
 

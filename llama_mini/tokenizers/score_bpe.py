@@ -68,6 +68,10 @@ class ScoreBpeTokenizer(Tokenizer):
             first = False
         return out.decode("utf-8", errors="sentencepiece")
 
+    def token_bytes(self) -> list[bytes]:
+        return [bytes([self.byte_of[i]]) if i in self.byte_of else b"" if i in self.silent or i in self.unspellable
+                else piece for i, piece in enumerate(self.pieces)]
+
     def _byte_id(self, byte: int) -> int:
         if byte not in self.byte_ids:
             raise ValueError(f"{self.model_path} has no byte piece <0x{byte:02X}> to spell a character it lacks")

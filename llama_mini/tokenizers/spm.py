@@ -33,12 +33,25 @@ class SentencePieceTokenizer(Tokenizer):
                 f"{model_path} is a SentencePiece model without BOS/EOS tokens (bos_id {self.bos_id}, "
                 f"eos_id {self.eos_id}); Llama needs both: train it with bos_id and eos_id set, as train_sentencepiece does"
             )
+        self.dummy_prefix = "".join(self.sp.encode("a", out_type=str)).startswith("\u2581")  # the model's normalizer's choice
 
     def encode(self, text: str, bos: bool = True, eos: bool = False) -> list[int]:
         return [self.bos_id] * bos + self.sp.encode(text) + [self.eos_id] * eos
 
     def decode(self, ids) -> str:
         return self.sp.decode(list(ids))
+
+    def token_bytes(self) -> list[bytes]:
+        sp, out = self.sp, []
+        for i in range(self.n_words):
+            piece = sp.id_to_piece(i)
+            if sp.is_byte(i):
+                out.append(bytes([int(piece[3:5], 16)]))  # "<0x0A>"
+            elif sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i):
+                out.append(b"")
+            else:
+                out.append(piece.replace("\u2581", " ").encode("utf-8"))
+        return out
 
 
 def train_sentencepiece(lines: Iterable[str], vocab_size: int, model_path) -> SentencePieceTokenizer:

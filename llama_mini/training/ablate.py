@@ -13,10 +13,10 @@ steps only. A burst of load from elsewhere on the machine then falls on all vari
 alike, and no variant always runs first or always follows the same one: in a fixed order,
 runs' speeds followed their position in the round (docs/ablation.md). Evaluation is not timed.
 
-Writes to --out: report.md (final validation loss, mean and sd over seeds; tokens/s;
-steps/s; training time to reach a target loss; parameter count), metrics.csv (every step
-of every run) and, with matplotlib installed, val_loss_vs_step.png and
-val_loss_vs_time.png (the paper's Figure 1).
+Writes to --out: report.md (final validation loss in nats per token and bits per byte, mean
+and sd over seeds; tokens/s; steps/s; training time to reach a target loss; parameter count),
+metrics.csv (every step of every run) and, with matplotlib installed, val_loss_vs_step.png
+and val_loss_vs_time.png (the paper's Figure 1, in bits per byte).
 """
 
 import argparse
@@ -54,7 +54,7 @@ class Run:
     seed: int
     trainer: Trainer
     seconds: float = 0.0  # this run's own training time, evaluation excluded
-    steps: list = field(default_factory=list)  # {"step", "time", "train_loss"[, "val_loss"]}
+    steps: list = field(default_factory=list)  # {"step", "time", "train_loss"[, "val_loss", "val_bpb"]}
     diverged_at: Optional[int] = None
 
     @property
@@ -147,6 +147,7 @@ def summarize(runs: list, norms: list, tokens_per_step: int, target_loss: Option
     plus 2% (the paper's sense of "reaches LayerNorm's quality"); without LayerNorm in the
     ablation, the best variant's plus 2%."""
     final = {n: [r.evals[-1]["val_loss"] for r in runs if r.norm == n and r.diverged_at is None] for n in norms}
+    final_bpb = {n: [r.evals[-1].get("val_bpb", math.nan) for r in runs if r.norm == n and r.diverged_at is None] for n in norms}
     if target_loss is None:
         finished = {n: statistics.mean(v) for n, v in final.items() if v}
         reference = finished.get("layernorm", min(finished.values(), default=math.nan))
@@ -162,6 +163,8 @@ def summarize(runs: list, norms: list, tokens_per_step: int, target_loss: Option
             "norm": norm,
             "val_loss": statistics.mean(losses) if losses else math.nan,
             "val_loss_sd": statistics.stdev(losses) if len(losses) > 1 else None,
+            "val_bpb": statistics.mean(final_bpb[norm]) if losses else math.nan,
+            "val_bpb_sd": statistics.stdev(final_bpb[norm]) if len(losses) > 1 else None,
             "tokens_per_s": steps * tokens_per_step / seconds if seconds else math.nan,
             "steps_per_s": steps / seconds if seconds else math.nan,
             "target_loss": target_loss,
@@ -178,20 +181,22 @@ def table(rows: list) -> str:
     """The summary as a Markdown table."""
     target = rows[0]["target_loss"]
     lines = [
-        f"| norm | final val loss (mean ± sd) | tokens/s | steps/s | time to val loss {target:.3f} | parameters |",
-        "|---|---|---|---|---|---|",
+        f"| norm | final val loss, nats/token (mean ± sd) | bits/byte (mean ± sd) | tokens/s | steps/s "
+        f"| time to val loss {target:.3f} | parameters |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if math.isnan(r["val_loss"]):
-            loss = "diverged"
+            loss, bpb = "diverged", ""
         else:
-            loss = f"{r['val_loss']:.4f} " + (f"± {r['val_loss_sd']:.4f}" if r["val_loss_sd"] is not None else "(one run)")
+            loss, bpb = (f"{r[name]:.4f} " + (f"± {r[name + '_sd']:.4f}" if r[name + "_sd"] is not None else "(one run)")
+                         for name in ("val_loss", "val_bpb"))
         if r["diverged"]:
             loss += f" ({len(r['diverged'])}/{r['runs']} diverged, at step {', '.join(map(str, r['diverged']))})"
         reach = f"{r['time_to_target']:.1f} s" if r["time_to_target"] is not None else "not reached"
         if r["time_to_target"] is not None and r["reached"] < r["runs"]:
             reach += f" ({r['reached']}/{r['runs']} runs)"
-        lines.append(f"| {r['norm']} | {loss} | {r['tokens_per_s']:,.0f} | {r['steps_per_s']:.2f} | {reach} | {r['params']:,} |")
+        lines.append(f"| {r['norm']} | {loss} | {bpb} | {r['tokens_per_s']:,.0f} | {r['steps_per_s']:.2f} | {reach} | {r['params']:,} |")
     return "\n".join(lines)
 
 
@@ -199,27 +204,28 @@ def write_metrics(runs: list, path: Path) -> None:
     def write(tmp):
         with open(tmp, "w", newline="") as f:
             writer = csv.writer(f)
-            writer.writerow(["norm", "seed", "step", "time_s", "train_loss", "val_loss"])
+            writer.writerow(["norm", "seed", "step", "time_s", "train_loss", "val_loss", "val_bpb"])
             for run in runs:
                 for r in run.steps:
-                    writer.writerow([run.norm, run.seed, r["step"], f"{r['time']:.4f}", r.get("train_loss", ""), r.get("val_loss", "")])
+                    writer.writerow([run.norm, run.seed, r["step"], f"{r['time']:.4f}", r.get("train_loss", ""),
+                                     r.get("val_loss", ""), r.get("val_bpb", "")])
 
     atomic_write(path, write)
 
 
 def curves_of(runs: list, norm: str):
-    """Evaluation steps, mean training seconds and min/mean/max validation loss over the
-    seeds of one norm, up to the last evaluation every seed reached."""
+    """Evaluation steps, mean training seconds and min/mean/max validation bits per byte over
+    the seeds of one norm, up to the last evaluation every seed reached."""
     evals = [r.evals for r in runs if r.norm == norm]
     n = min(len(e) for e in evals)
     steps = [evals[0][i]["step"] for i in range(n)]
     seconds = [statistics.mean(e[i]["time"] for e in evals) for i in range(n)]
-    losses = [[e[i]["val_loss"] for e in evals] for i in range(n)]
+    losses = [[e[i]["val_bpb"] for e in evals] for i in range(n)]
     return steps, seconds, [min(v) for v in losses], [statistics.mean(v) for v in losses], [max(v) for v in losses]
 
 
 def plot(runs: list, norms: list, out: Path) -> list:
-    """val_loss_vs_step.png and val_loss_vs_time.png: mean over seeds, band from min to max."""
+    """val_loss_vs_step.png and val_loss_vs_time.png, in bits per byte: mean over seeds, band from min to max."""
     paths = []
     for x_name, label in (("step", "training step"), ("time", "training time (s, evaluation excluded)")):
         curves = []
@@ -227,7 +233,7 @@ def plot(runs: list, norms: list, out: Path) -> list:
             steps, seconds, low, mean, high = curves_of(runs, norm)
             curves.append(Curve(norm, steps if x_name == "step" else seconds, mean, low, high))
         title = f"validation loss vs {label.split(' (')[0]}"
-        path = plot_curves(out / f"val_loss_vs_{x_name}.png", curves, label, "validation loss (log scale)", title)
+        path = plot_curves(out / f"val_loss_vs_{x_name}.png", curves, label, "validation loss (bits per byte, log scale)", title)
         if path is None:  # no matplotlib
             return []
         paths.append(path)

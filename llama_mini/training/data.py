@@ -13,7 +13,6 @@ The pipeline a training run needs, each step cached so that it happens once:
 import array
 import codecs
 import hashlib
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +23,10 @@ from tqdm import tqdm
 
 from ..files import atomic_write
 from ..tokenizers import Tokenizer, open_tokenizer
+from ..tokenizers.long_text import encode_long
 from ..tokenizers.spm import train_sentencepiece
 from . import corpus as stories
 
-CHUNK_CHARS = 1 << 20  # long files are encoded in pieces of about 1 MB, cut at line ends
 READ_BYTES = 1 << 22  # files are checked and hashed 4 MB at a time
 
 
@@ -127,16 +126,6 @@ def load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir) -> Tokenizer:
         raise ValueError(f"cannot train a tokenizer with --vocab-size {vocab_size} on {corpus.name}: {reason}") from None
 
 
-def pieces(text: str) -> Iterator[str]:
-    """text in pieces of about CHUNK_CHARS, cut after a newline, so no encode call holds a
-    whole multi-gigabyte file."""
-    start = 0
-    while start < len(text):
-        end = text.find("\n", start + CHUNK_CHARS) + 1 or len(text)
-        yield text[start:end]
-        start = end
-
-
 def tokenize(corpus: Corpus, tokenizer: Tokenizer, cache_dir) -> Path:
     """Write (or find) the token file of corpus under tokenizer: each document is BOS + ids + EOS,
     so a model learns where texts begin and end, and sampling can stop at EOS."""
@@ -150,18 +139,11 @@ def tokenize(corpus: Corpus, tokenizer: Tokenizer, cache_dir) -> Path:
         with open(tmp, "wb") as f:
             docs = tqdm(corpus.documents(), desc=f"tokenizing {corpus.name}", unit=" docs", leave=False, delay=1, disable=None)
             for doc in docs:  # a bar on a terminal only (disable=None), if this takes more than a second
-                ids = [tokenizer.bos_id, *encode_long(tokenizer, doc), tokenizer.eos_id]
+                ids = [tokenizer.bos_id, *(i for piece in encode_long(tokenizer, [doc]) for i in piece), tokenizer.eos_id]
                 array.array("H" if dtype == "uint16" else "I", ids).tofile(f)
 
     atomic_write(path, write)
     return path
-
-
-def encode_long(tokenizer: Tokenizer, text: str) -> list[int]:
-    """The ids of text, encoded piece by piece; SentencePiece takes the pieces on every core at once."""
-    if hasattr(tokenizer, "sp"):  # Llama-2's family
-        return [i for ids in tokenizer.sp.encode(list(pieces(text)), num_threads=os.cpu_count() or 1) for i in ids]
-    return [i for piece in pieces(text) for i in tokenizer.encode(piece, bos=False)]
 
 
 class TokenSplits:

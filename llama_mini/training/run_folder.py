@@ -331,7 +331,8 @@ def report_losses(run_dir: Path) -> None:
     if plot_curves(run_dir / "loss.png", curves, "step", "cross-entropy loss (nats per token)", run_dir.name):
         print(f"loss curve: {run_dir / 'loss.png'}")
         return
-    print("step   train loss   val loss   val ppl   (pip install matplotlib for loss.png)")
+    print("step   train loss   val loss   val bits/byte   val ppl   (pip install matplotlib for loss.png)")
     train_loss = {r["step"]: r["train_loss"] for r in trained}
     for r in evals:
-        print(f"{r['step']:>5}   {train_loss.get(r['step'], math.nan):>10.4f}   {r['val_loss']:>8.4f}   {r['val_ppl']:>7.2f}")
+        print(f"{r['step']:>5}   {train_loss.get(r['step'], math.nan):>10.4f}   {r['val_loss']:>8.4f}   "
+              f"{r.get('val_bpb', math.nan):>13.4f}   {r['val_ppl']:>7.2f}")

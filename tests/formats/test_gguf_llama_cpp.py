@@ -16,6 +16,7 @@ from llama_mini import ModelArgs, Transformer, generate, load_checkpoint
 from llama_mini.formats.gguf import export_gguf
 from llama_mini.formats.gguf_file import GGUFFile
 from llama_mini.tokenizers import open_tokenizer
+from llama_mini.training import corpus
 from fixtures import LLAMA3_TOKENIZER, require
 
 pytest.importorskip("llama_cpp")
@@ -76,3 +77,23 @@ def test_a_llama3_file_gives_llama_cpps_logits(tmp_path):
     largest, share = compare(peer.logits(tokens), loaded(torch.tensor([tokens]))[0])
     assert share < 1e-4, (largest, share)
     assert generate(loaded, [tokens], 32, temperature=0)[0] == peer.greedy(tokens, 32)
+
+
+@pytest.mark.parametrize("type", ["F32", "Q8_0", "Q4_0"])
+def test_evaluate_gives_llama_cpps_perplexity(gguf_run, files, tmp_path, type):
+    """python -m llama_mini.evaluate on a GGUF file against llama-perplexity's method on
+    llama.cpp's own tokens and logits: within 0.5% for F32 and Q8_0, and for Q4_0 within
+    the standard error llama.cpp states."""
+    from perplexity import llama_cpp_perplexity, ours
+
+    path = files[type] if type in files else quantize_with_llama_cpp(files["F32"], tmp_path / "q4_0.gguf", type, pure=True, threads=1)
+    text = tmp_path / "held-out.txt"
+    text.write_text("\n\n".join(corpus.stories(40_000, seed=11)), encoding="utf-8")
+    tally = ours(path, text, 128, 20)
+    ppl, error, count = llama_cpp_perplexity(path, text.read_text(encoding="utf-8"), 128, threads=1, chunks=20)
+    assert tally.count == count == 20 * 63
+    print(f"{type}: llama_mini {tally.perplexity:.4f} ± {tally.error:.4f}, llama.cpp {ppl:.4f} ± {error:.4f}")
+    if type == "Q4_0":
+        assert abs(tally.perplexity - ppl) < error
+    else:
+        assert tally.perplexity == pytest.approx(ppl, rel=0.005)

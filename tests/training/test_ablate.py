@@ -118,9 +118,9 @@ class FakeTrainer:
 
 
 def run_with_evals(norm, seed, evals):
-    """A Run whose evaluations were (step, seconds, val_loss)."""
+    """A Run whose evaluations were (step, seconds, val_loss); its bits per byte are half its nats per token."""
     run = Run(norm, seed, FakeTrainer())
-    run.steps = [{"step": s, "time": t, "val_loss": v} for s, t, v in evals]
+    run.steps = [{"step": s, "time": t, "val_loss": v, "val_bpb": v / 2} for s, t, v in evals]
     run.seconds = evals[-1][1]
     return run
 
@@ -144,7 +144,8 @@ def test_summary_is_mean_and_sd_over_seeds_with_layernorm_plus_2_percent_as_targ
     assert rms["target_loss"] == pytest.approx(2.55)
     assert rms["steps_per_s"] == pytest.approx(20 / 4.0) and rms["tokens_per_s"] == pytest.approx(2000 / 4.0)
     assert ln["time_to_target"] == pytest.approx(4.0 * (7.0 - 2.55) / (7.0 - 2.5))
-    assert "| rmsnorm | 2.1000 ± 0.1414 |" in table([rms, ln])
+    assert rms["val_bpb"] == pytest.approx(1.05) and rms["val_bpb_sd"] == pytest.approx(math.sqrt(0.02) / 2)
+    assert "| rmsnorm | 2.1000 ± 0.1414 | 1.0500 ± 0.0707 |" in table([rms, ln])
 
 
 def test_diverged_run_stops_and_is_reported():
@@ -166,7 +167,8 @@ def test_cli_writes_report_metrics_and_plots(tmp_path, data):
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 2 * 2 * (4 + 1)  # norms x seeds x (steps + the evaluation at step 0)
-    assert sum(1 for r in rows if r["val_loss"]) == 2 * 2 * 3  # steps 0, 2 and 4
+    assert sum(1 for r in rows if r["val_loss"]) == sum(1 for r in rows if r["val_bpb"]) == 2 * 2 * 3  # steps 0, 2 and 4
+    assert "bits/byte" in report
     try:
         import matplotlib  # noqa: F401
     except ImportError:

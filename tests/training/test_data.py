@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from llama_mini.tokenizers import long_text
 from llama_mini.training import corpus, data
 from llama_mini.tokenizers.spm import train_sentencepiece
 
@@ -147,19 +148,11 @@ def test_token_cache_is_reused_and_rebuilt_when_data_or_tokenizer_change(tmp_pat
 
 def test_vocabularies_over_65536_are_stored_as_uint32(tmp_path, tokenizer):
     class Big:  # the real tokenizer, claiming a vocabulary too big for uint16
-        n_words, bos_id, eos_id, sp, model_path = 70_000, 65_600, 65_601, tokenizer.sp, tokenizer.model_path
+        n_words, bos_id, eos_id, sp, model_path, dummy_prefix = 70_000, 65_600, 65_601, tokenizer.sp, tokenizer.model_path, True
 
     path = data.tokenize(data.open_corpus(write(tmp_path / "a.txt", "The sun was warm.")), Big(), tmp_path / "cache")
     assert path.name.endswith(".uint32.bin")
     assert read_tokens(path) == [65_600] + tokenizer.encode("The sun was warm.", bos=False) + [65_601]
-
-
-def test_long_text_is_encoded_in_pieces_cut_at_line_ends(monkeypatch):
-    monkeypatch.setattr(data, "CHUNK_CHARS", 10)
-    text = "one line here\nanother line\nshort\nand the last one without newline"
-    parts = list(data.pieces(text))
-    assert "".join(parts) == text and len(parts) > 1
-    assert all(p.endswith("\n") for p in parts[:-1])
 
 
 def test_tokenizers_of_other_families_encode_through_their_own_encode(tmp_path, monkeypatch):
@@ -167,13 +160,13 @@ def test_tokenizers_of_other_families_encode_through_their_own_encode(tmp_path, 
     encode() takes each piece of a long text in turn."""
 
     class ByteTokenizer:  # one id per UTF-8 byte, after unk, bos and eos
-        n_words, bos_id, eos_id = 259, 1, 2
+        n_words, bos_id, eos_id, dummy_prefix = 259, 1, 2, False
         model_path = write(tmp_path / "bytes.model", "a tokenizer file, for the cache key")
 
         def encode(self, text, bos=True, eos=False):
             return [self.bos_id] * bos + [b + 3 for b in text.encode()] + [self.eos_id] * eos
 
-    monkeypatch.setattr(data, "CHUNK_CHARS", 8)  # many pieces
+    monkeypatch.setattr(long_text, "PIECE_CHARS", 8)  # many pieces
     text = "Once upon a time,\nthere was a café.\nThe end."
     path = data.tokenize(data.open_corpus(write(tmp_path / "a.txt", text)), ByteTokenizer(), tmp_path / "cache")
     assert read_tokens(path) == [1] + [b + 3 for b in text.encode()] + [2]

@@ -180,6 +180,29 @@ def test_trainer_learns_and_samples(text_file, cache_dir, tmp_path):
     assert text.startswith("Once upon a time") and len(text) > len("Once upon a time")
 
 
+def test_bits_per_byte_is_the_nats_over_ln2_and_the_bytes_the_scored_text_decodes_to(cache_dir, tmp_path):
+    """A model that guesses uniformly loses ln V nats on every token, so its bits per byte is
+    log2 V times the tokens scored, over the UTF-8 bytes SentencePiece decodes them to (é, ï
+    and 日本 are 2 and 3 bytes each)."""
+    text = tmp_path / "text.txt"  # one document: its BOS is the first token, outside the validation split
+    text.write_text("\n".join(f"Café {i} naïve 日本 story." for i in range(3000)), encoding="utf-8")
+    cfg = TrainConfig(data=str(text), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
+                      max_steps=1, **{**TINY, "vocab_size": 300})
+    trainer = start_run(cfg)
+    with torch.no_grad():
+        trainer.raw_model.output.weight.zero_()  # every logit 0: the uniform guess
+    result = trainer.evaluate()
+    assert result["val_loss"] == pytest.approx(math.log(300), rel=1e-6)
+    starts = trainer.tokens.even_starts("val", cfg.eval_iters * cfg.batch_size, cfg.seq_len)
+    x, y = trainer.tokens.windows("val", starts, cfg.seq_len)
+    sp = trainer.tokenizer.sp
+    windows = torch.cat([x[:, :1], y], dim=1).tolist()
+    decoded = sum(len(sp.decode(w).encode()) - len(sp.decode(w[:1]).encode()) for w in windows)
+    assert decoded > y.numel()  # multi-byte characters
+    assert result["val_bpb"] == pytest.approx(y.numel() * math.log2(300) / decoded, rel=1e-6)
+    trainer.close()
+
+
 def test_non_finite_loss_stops_naming_the_step_without_touching_the_weights(text_file, cache_dir, tmp_path):
     cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=5, **TINY)
@@ -226,6 +249,8 @@ def test_metrics_log_has_a_record_per_step_and_evaluations(reference_run):
     assert evals == [0, 40, 80]
     assert records[80]["val_ppl"] == pytest.approx(math.exp(records[80]["val_loss"]))
     assert records[80]["val_loss"] < records[0]["val_loss"]
+    assert records[80]["val_bpb"] < records[0]["val_bpb"] and all("val_bpb" in records[s] for s in evals)
+    assert f"{records[80]['val_bpb']:.4f} bits/byte" in reference_run["stdout"]
 
 
 def test_run_ends_with_a_sample_from_the_saved_model(reference_run):

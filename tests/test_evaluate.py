@@ -1,0 +1,128 @@
+"""python -m llama_mini.evaluate: perplexity and bits per byte of a checkpoint on a text file,
+by llama.cpp's method, against a direct computation on the same weights for every format."""
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fixtures import LLAMA2_TOKENIZER, require
+from llama2c_files import export, export_sentencepiece
+from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
+from llama_mini.evaluate import main
+from llama_mini.formats.convert import convert
+from llama_mini.tokenizers import open_tokenizer
+from llama_mini.training import corpus
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+CTX = 64
+TEXT = "\n\n".join(corpus.stories(6000, seed=5)) + "\nA café, a naïve façade — and Zoë's smörgåsbord.\n"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny random model over Meta's Llama-2 vocabulary in every format, and a text file."""
+    require(LLAMA2_TOKENIZER)
+    root = tmp_path_factory.mktemp("evaluate")
+    torch.manual_seed(0)
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32000, multiple_of=32, max_seq_len=128))
+    with torch.no_grad():  # logits spread far beyond uniform, norms not all ones
+        model.output.weight.mul_(40)
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    native = save_checkpoint(model, root / "native", tokenizer_path=LLAMA2_TOKENIZER)
+    export(model, root / "model.bin", 1)
+    (root / "text.txt").write_text(TEXT, encoding="utf-8")
+    return dict(
+        root=root, text=root / "text.txt", native=native,
+        meta=convert(native, root / "meta", "meta"), hf=convert(native, root / "hf", "hf"),
+        gguf_f32=convert(native, root / "f32.gguf", "gguf", gguf_type="f32"),
+        gguf_q8_0=convert(native, root / "q8.gguf", "gguf", gguf_type="q8_0"),
+        llama2c=root / "model.bin", llama2c_tokenizer=export_sentencepiece(LLAMA2_TOKENIZER, root / "tokenizer.bin"),
+    )
+
+
+def direct(model, tokenizer, text: str, ctx: int):
+    """llama.cpp's perplexity, written out: chunks of ctx tokens of the whole text with BOS
+    first, each chunk's first token BOS, the second half scored on model.py's own code; and
+    the bytes the scored tokens decode to."""
+    ids = tokenizer.encode(text, bos=True)
+    nll, n_bytes, first = [], 0, ctx // 2
+    for start in range(0, len(ids) // ctx * ctx, ctx):
+        chunk = [tokenizer.bos_id] + ids[start + 1:start + ctx]
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([chunk]))[0].double(), dim=-1)
+        nll += [-logp[i, chunk[i + 1]].item() for i in range(first, ctx - 1)]
+        n_bytes += len(tokenizer.decode(chunk[first:]).encode()) - len(tokenizer.decode(chunk[first:first + 1]).encode())
+    nll = torch.tensor(nll, dtype=torch.float64)
+    ppl = math.exp(nll.mean())
+    return ppl, (nll.var() / len(nll)).sqrt().item() * ppl, nll.sum().item() / math.log(2) / n_bytes
+
+
+def figures(out: str):
+    """(perplexity, its error, bits per byte) from evaluate's last line."""
+    words = out.strip().splitlines()[-1].split()
+    return float(words[1]), float(words[3]), float(words[words.index("bits") - 1])
+
+
+CASES = {  # format: (flags, how the reference loads it, tolerance)
+    "native": ([], {}, 1e-5),
+    "meta": ([], {}, 1e-5),
+    "hf": ([], {}, 1e-5),
+    "gguf_f32": ([], {}, 1e-5),
+    "gguf_q8_0": ([], {}, 1e-5),
+    "llama2c": (["--tokenizer", "llama2c_tokenizer"], {}, 1e-5),
+    "native_int8": (["--quantize", "int8"], {"quantize": "int8"}, 2e-3),
+    "native_bf16": (["--dtype", "bfloat16"], {"dtype": torch.bfloat16}, 1e-2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_perplexity_and_bits_per_byte_equal_a_direct_computation(files, case, capsys):
+    extra, load, tolerance = CASES[case]
+    ckpt = files[case.removesuffix("_int8").removesuffix("_bf16")]
+    extra = [str(files[a]) if a in files else a for a in extra]
+    assert main_exit(["--ckpt", str(ckpt), "--data", str(files["text"]), "--ctx", str(CTX), *extra]) == 0
+    ppl, error, bpb = figures(capsys.readouterr().out)
+    tokenizer = open_tokenizer(files["llama2c_tokenizer"] if case == "llama2c" else LLAMA2_TOKENIZER)
+    model = load_checkpoint(ckpt, **load).eval()
+    want = direct(model, tokenizer, TEXT, CTX)
+    assert ppl == pytest.approx(want[0], rel=tolerance)
+    assert error == pytest.approx(want[1], rel=max(tolerance, 1e-3))  # printed to 5 decimals
+    assert bpb == pytest.approx(want[2], rel=max(tolerance, 1e-3))
+    assert error > 0 and bpb > 0
+
+
+def main_exit(argv) -> int:
+    from llama_mini.cli import run_main
+
+    return run_main(main, argv)
+
+
+def test_chunks_limits_the_chunks_scored(files, capsys):
+    assert main_exit(["--ckpt", str(files["native"]), "--data", str(files["text"]), "--ctx", str(CTX), "--chunks", "3"]) == 0
+    out = capsys.readouterr().out
+    assert f"over {3 * (CTX - 1 - CTX // 2)} tokens (3 chunks of {CTX})" in out
+
+
+@pytest.mark.parametrize("case, words", [
+    ("missing", ["data not found", "nowhere.txt"]),
+    ("latin1", ["not UTF-8", "0xe9", "offset 4"]),
+    ("short", ["fewer than --ctx 64 tokens"]),
+    ("ctx", ["--ctx 4096 is longer than the model's context (128 tokens)"]),
+    ("zero_ctx", ["--ctx"]),
+])
+def test_bad_input_is_refused_in_one_line(files, tmp_path, case, words):
+    data = {"missing": tmp_path / "nowhere.txt", "latin1": tmp_path / "latin1.txt", "short": tmp_path / "short.txt"}.get(case, files["text"])
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1").replace(b"caf", b"cafe"))
+    (tmp_path / "short.txt").write_text("Once upon a time.")
+    ctx = {"ctx": "4096", "zero_ctx": "0"}.get(case, str(CTX))
+    result = subprocess.run([sys.executable, "-m", "llama_mini.evaluate", "--ckpt", str(files["native"]), "--data", str(data),
+                             "--ctx", ctx], capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, result.stderr
+    for word in words:
+        assert word in result.stderr, result.stderr
