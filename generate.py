@@ -15,7 +15,7 @@ import itertools
 import sys
 
 from llama_mini.cli import check_context, check_number, flag, run_main, utf8_text
-from llama_mini.generation import SEED_LIMIT, check_sampling_args, generate_stream, stream_text
+from llama_mini.generation import SEED_LIMIT, TEMPERATURE, TOP_P, check_sampling_args, generate_stream, stream_text
 from llama_mini.inference import add_model_arguments, load_model, open_checkpoint
 from llama_mini.memory import check_fits, kv_cache_bytes
 
@@ -35,8 +35,8 @@ def parse_args(argv=None):
     source.add_argument("--chat", action="store_true", help="interactive multi-turn chat on stdin")
     p.add_argument("--system", help="system prompt; the prompt is then sent as a user turn in the model's chat format")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.6, help="0 is greedy")
-    p.add_argument("--top-p", type=float, default=0.9)
+    p.add_argument("--temperature", type=float, default=TEMPERATURE, help="0 is greedy")
+    p.add_argument("--top-p", type=float, default=TOP_P)
     p.add_argument("--top-k", type=int, default=0, help="0 keeps every token")
     p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)

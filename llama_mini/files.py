@@ -1,11 +1,10 @@
-"""Writing files so that a crash never leaves a torn one: the one atomic-write helper.
+"""Writing files and folders so that a crash never leaves a torn one.
 
 Every file the package writes (weights, configs, tokenizers, training state, the `latest`
-pointer, token caches, compiled kernels, the corpus) goes through atomic_write, so a kill at any
-moment leaves either the old file or the new one, only a regular file is ever replaced (never
-a link, a folder, a FIFO or a device the user named), and an error names the user's path,
-never the temporary one.
-"""
+pointer, token caches, compiled kernels, the corpus) goes through atomic_write, and every
+checkpoint folder through atomic_folder, so a kill at any moment leaves either the old one or
+the new one, only a regular file is ever replaced (never a link, a folder, a FIFO or a device
+the user named), and an error names the user's path, never the temporary one."""
 
 import errno
 import os
@@ -13,25 +12,74 @@ import shutil
 import stat
 from pathlib import Path
 
+from safetensors import SafetensorError
+
 
 def atomic_write(path, write) -> None:
     """Call write(tmp_path), then move tmp_path onto path in one step.
 
     os.replace is atomic on POSIX, so a crash (or a full disk) at any moment leaves either
     the old file or the new one, never a torn mix. The temporary file is removed on failure.
+    The file gets the mode a new file gets here (0644 under the usual umask) whatever the
+    writer gave it: safetensors writes a private file (0600), which would leave the weights
+    alone unreadable to the others on a shared machine. A failed write is an OSError naming
+    path, also where torch's zip writer and safetensors report one as their own errors.
     """
     path = Path(path)
     check_replaceable(path)
     tmp = temporary_name(path)
     try:
+        tmp.touch()  # created as open() creates files: mode 0666 less the umask
+        mode = tmp.stat().st_mode
         write(tmp)
+        os.chmod(tmp, mode)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except OSError as e:
         raise naming(e, path) from None
+    except (RuntimeError, SafetensorError) as e:
+        if type(e) is not RuntimeError and not isinstance(e, SafetensorError):
+            raise  # a writer's own error (torch's zip writer reports a failed write as a plain RuntimeError)
+        reason = first_line(e).replace(str(tmp), str(path))
+        reworded = OSError(f"cannot write {path} ({reason}); is the disk full?")
+        reworded.reason = reason
+        raise reworded from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def atomic_folder(path, write, tmp=None, replacing: bool = False) -> Path:
+    """Call write(tmp) on a new hidden folder beside path, then rename it onto path in one step:
+    a refusal, a full disk or a kill never leaves a partial folder at path. path must not exist
+    or be an empty folder, or, with replacing, be a folder of ours that this one replaces.
+    Errors name path, never the hidden folder."""
+    target = Path(path).resolve()  # an empty folder, or a link to one, is replaced where it really is
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tmp) if tmp else target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        tmp.mkdir()  # fails if it exists: everything inside it is then ours to remove
+    except OSError as e:
+        raise OSError(f"cannot write {path}: {e.strerror or e}") from None
+    try:
+        write(tmp)
+        if replacing:
+            shutil.rmtree(target, ignore_errors=True)
+        os.rename(tmp, target)  # POSIX: replaces an empty folder in one step
+    except OSError as e:
+        reworded = type(e)(str(e).replace(str(tmp), str(path)))
+        reworded.errno, reworded.reason = e.errno, getattr(e, "reason", None)
+        raise reworded from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours alone: created above, gone once renamed
+    fsync_dir(target.parent)
+    return Path(path)
+
+
+def first_line(error: Exception) -> str:
+    """The first sentence of a library's error message, to quote inside one line of ours."""
+    text = str(error).strip()
+    return text.splitlines()[0].split(". ")[0][:300] if text else type(error).__name__
 
 
 def temporary_name(path: Path) -> Path:

@@ -16,6 +16,7 @@ from .cli import check_number
 from .model import Transformer
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+TEMPERATURE, TOP_P = 0.6, 0.9  # the defaults of Meta's example scripts
 
 
 def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None,
@@ -63,27 +64,19 @@ def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] 
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def generate(
-    model: Transformer,
-    prompt_tokens: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
-    top_k: Optional[int] = None,
-    eos_id: Union[int, Iterable[int], None] = None,
-    seed: Optional[int] = None,
-) -> list[list[int]]:
+def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
-    prompt_tokens may have rows of different lengths; each row stops at its own EOS. eos_id
-    is one id or several, as ints or a tensor (Llama-3 ends a text with <|end_of_text|> and a chat
-    turn with <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
+    sampling: generate_stream's temperature, top_p, top_k, eos_id and seed. prompt_tokens may
+    have rows of different lengths; each row stops at its own EOS. eos_id is one id or several,
+    as ints or a tensor (Llama-3 ends a text with <|end_of_text|> and a chat turn with
+    <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
     exactly max_new_tokens. Sampling draws from a private torch.Generator (seeded by seed,
     or randomly when seed is None), so the same seed gives the same text and the global RNG
     is left alone.
     """
     out = [[] for _ in prompt_tokens]
-    for step in generate_stream(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, seed):
+    for step in generate_stream(model, prompt_tokens, max_new_tokens, **sampling):
         for row, token in zip(out, step):
             if token is not None:
                 row.append(token)
@@ -94,8 +87,8 @@ def generate_stream(
     model: Transformer,
     prompt_tokens: list[list[int]],
     max_new_tokens: int,
-    temperature: float = 0.6,
-    top_p: float = 0.9,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
     top_k: Optional[int] = None,
     eos_id: Union[int, Iterable[int], None] = None,
     seed: Optional[int] = None,

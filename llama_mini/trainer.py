@@ -71,7 +71,7 @@ def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_t
     """prompt and the model's continuation, which stops early at an end of text (any of stop_ids)."""
     ids = tokenizer.encode(prompt, bos=True)
     max_new_tokens = max(0, min(max_new_tokens, model.args.max_seq_len - len(ids)))
-    new = generate(model, [ids], max_new_tokens, temperature=0.6, top_p=0.9, eos_id=tokenizer.stop_ids, seed=seed)[0]
+    new = generate(model, [ids], max_new_tokens, eos_id=tokenizer.stop_ids, seed=seed)[0]  # Meta's sampling defaults
     return tokenizer.decode(ids + new)
 
 
@@ -188,7 +188,7 @@ class Trainer:
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700)), "val_bpb": bits_per_byte(nats, n_bytes)}
 
     def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """The model's continuation of prompt (temperature 0.6, top-p 0.9, seeded by cfg.seed)."""
+        """The model's continuation of prompt (Meta's sampling defaults, seeded by cfg.seed)."""
         if self.cfg.fsdp:
             raise ValueError("a sharded (--fsdp) model cannot sample in place; sample load_checkpoint(run folder)")
         self.raw_model.eval()

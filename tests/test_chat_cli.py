@@ -77,7 +77,7 @@ def expected_chat(ckpt, tokenizer, temperature, send_answers=True):
     for turn, user in enumerate(TURNS):
         dialog.append({"role": "user", "content": user})
         prompts.append(tokenizer.encode_dialog(dialog))
-        new = generate(model, [prompts[-1]], MAX_NEW, temperature, eos_id=tokenizer.stop_ids, seed=SEED + turn)[0]
+        new = generate(model, [prompts[-1]], MAX_NEW, temperature=temperature, eos_id=tokenizer.stop_ids, seed=SEED + turn)[0]
         answers.append(tokenizer.decode(new))
         lengths.append(len(new))
         dialog.append({"role": "assistant", "content": answers[-1] if send_answers else ""})

@@ -21,7 +21,8 @@ from ..model import Transformer
 from .. import quant
 from ..tokenizers import copy_tokenizer
 from . import llama2c
-from .files import is_gguf, is_torch_file, write_file
+from ..files import atomic_write
+from .files import is_gguf, is_torch_file
 from .hf import MAX_SHARD_BYTES, hf_config_from_args, read_hf, write_hf
 from .meta import is_meta, read_meta, write_meta
 from .native import CONFIG, TOKENIZER, is_native, read_latest, read_native, write_native
@@ -162,7 +163,7 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     else:
         write_hf(model, path, max_shard_bytes)
     if tokenizer_path is not None and Path(tokenizer_path).resolve() != (path / TOKENIZER).resolve():
-        write_file(path / TOKENIZER, lambda tmp: copy_tokenizer(tokenizer_path, tmp))
+        atomic_write(path / TOKENIZER, lambda tmp: copy_tokenizer(tokenizer_path, tmp))
     return path
 
 

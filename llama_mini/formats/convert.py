@@ -13,14 +13,12 @@ vocabulary becomes DST's tokenizer.model (a vocabulary-only GGUF file).
 """
 
 import argparse
-import os
-import shutil
 import sys
 from pathlib import Path
 
 from ..cli import check_context, check_number, run_main
 from ..device import DTYPES
-from ..files import check_new_folder, fsync_dir
+from ..files import atomic_folder, check_new_folder
 from ..quant import QUANTIZATIONS
 from ..tokenizers import check_vocab_size, open_tokenizer
 from .checkpoint import FORMATS, check_writable, checkpoint_tokenizer, find_tokenizer, load_checkpoint, save_checkpoint
@@ -51,21 +49,8 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
     if tokenizer is not None:
         check_vocab_size(tokenizer, model.args.vocab_size, src)
     check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing
-    target = dst.resolve()  # an empty folder, or a link to one, is replaced where it really is
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        tmp.mkdir()  # fails if it exists: everything inside it is then ours to remove
-    except OSError as e:
-        raise OSError(f"cannot write {dst}: {e.strerror or e}") from None
-    try:
-        save_checkpoint(model, tmp, format=to, tokenizer_path=tokenizer_path, shards=shards, max_shard_bytes=max_shard_bytes)
-        os.rename(tmp, target)  # POSIX: replaces an empty folder in one step
-    except OSError as e:  # named as the user named it, not by the hidden folder it was written in
-        raise type(e)(str(e).replace(str(tmp), str(dst))) from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # ours alone: created above, gone once renamed
-    fsync_dir(target.parent)
+    atomic_folder(dst, lambda tmp: save_checkpoint(model, tmp, format=to, tokenizer_path=tokenizer_path, shards=shards,
+                                                   max_shard_bytes=max_shard_bytes))
     return dst
 
 

@@ -1,4 +1,4 @@
-"""The files a checkpoint is made of: read trusting nothing in them, written atomically.
+"""The files a checkpoint is made of, read trusting nothing in them (files.atomic_write writes them).
 
 Every reader bounds what it reads before it believes a size written in the file, and turns a
 damaged, foreign or hostile file into one ValueError or OSError that names the file:
@@ -9,9 +9,6 @@ damaged, foreign or hostile file into one ValueError or OSError that names the f
   code is refused unrun, and memory-mapped where their layout allows it (see torch_load).
 - Names written inside our files (an index's file names, a run's `latest`) are taken only
   when they stay inside the folder the user named.
-
-Every file a writer makes goes through write_file: a kill at any moment leaves the old file or
-the new one, and a failed write is the OSError it is.
 """
 
 import json
@@ -23,7 +20,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..files import atomic_write, temporary_name
+from ..files import first_line
 from .config_check import brief
 
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
@@ -95,7 +92,7 @@ def read_safetensors(file: Path, quantized: bool = False) -> dict:
                     raise ValueError(f"{file} stores tensor {key} as {dtype}; Llama weights are F16, BF16, F32 or F64")
             return {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as e:
-        raise ValueError(f"{file} is truncated or corrupt ({_first_line(e)}); download or convert it again") from None
+        raise ValueError(f"{file} is truncated or corrupt ({first_line(e)}); download or convert it again") from None
 
 
 def torch_load(file: Path):
@@ -117,7 +114,7 @@ def torch_load(file: Path):
     except pickle.UnpicklingError:
         raise ValueError(f"{file} holds pickled objects other than tensors (possibly code); refusing to load it") from None
     except Exception as e:  # torch raises RuntimeError, EOFError, ValueError ... for torn or foreign files
-        raise ValueError(f"{file} is truncated or corrupt ({_first_line(e)}); download or convert it again") from None
+        raise ValueError(f"{file} is truncated or corrupt ({first_line(e)}); download or convert it again") from None
 
 
 def _stored_uncompressed(file: Path) -> bool:
@@ -127,7 +124,7 @@ def _stored_uncompressed(file: Path) -> bool:
         with zipfile.ZipFile(file) as archive:
             entries = archive.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise ValueError(f"{file} is truncated or corrupt ({_first_line(e)}); download or convert it again") from None
+        raise ValueError(f"{file} is truncated or corrupt ({first_line(e)}); download or convert it again") from None
     if all(entry.compress_type == zipfile.ZIP_STORED for entry in entries):
         return True
     unpacked = sum(entry.file_size for entry in entries)
@@ -150,31 +147,3 @@ def tensor_dict(value, file: Path) -> dict:
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{file} stores tensor {key} as {tensor.dtype}; Llama weights are float16, bfloat16, float32 or float64")
     return value
-
-
-def _first_line(error: Exception) -> str:
-    """The first sentence of a library's error message, to quote inside one line of ours."""
-    text = str(error).strip()
-    return text.splitlines()[0].split(". ")[0][:300] if text else type(error).__name__
-
-
-def write_file(file: Path, write) -> None:
-    """atomic_write, with a failed write reported as the OSError it is: torch's zip writer
-    raises RuntimeError and safetensors SafetensorError where Python raises OSError (a full
-    disk, a file-size limit).
-
-    Every file of a checkpoint gets the mode a new file gets here (0644 under the usual umask):
-    safetensors writes a private temporary file (0600) and renames it into place, which would
-    leave the weights alone unreadable to the others on a shared machine."""
-
-    def write_with_usual_mode(tmp: Path) -> None:
-        tmp.touch()  # created as open() creates files: mode 0666 less the umask
-        mode = tmp.stat().st_mode
-        write(tmp)
-        os.chmod(tmp, mode)
-
-    try:
-        atomic_write(file, write_with_usual_mode)
-    except (RuntimeError, SafetensorError) as e:
-        reason = _first_line(e).replace(str(temporary_name(file)), str(file))
-        raise OSError(f"cannot write {file} ({reason}); is the disk full?") from None

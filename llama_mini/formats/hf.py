@@ -16,7 +16,8 @@ from safetensors.torch import save_file
 
 from ..model import ModelArgs, Transformer
 from .config_check import brief, check_fields
-from .files import inside, read_json, read_safetensors, tensor_dict, torch_load, write_file
+from ..files import atomic_write
+from .files import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
 from .state_dict import check_layer_count, check_shape
 
@@ -134,19 +135,19 @@ def write_hf(model, path: Path, max_shard_bytes: int) -> None:
     names = [WEIGHTS] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
     for name, keys in zip(names, files):
         shard = {k: state[k] for k in keys}
-        write_file(path / name, lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
+        atomic_write(path / name, lambda tmp: save_file(shard, tmp, metadata={"format": "pt"}))
     if len(files) > 1:
         total = sum(v.numel() * v.element_size() for v in state.values())
         weight_map = {k: name for name, keys in zip(names, files) for k in keys}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        write_file(path / INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
+        atomic_write(path / INDEX, lambda tmp: tmp.write_text(json.dumps(index, indent=2)))
     else:
         (path / INDEX).unlink(missing_ok=True)  # a stale index would be read before the file
     for stale in set(path.glob("model*.safetensors")) - {path / name for name in names}:
         stale.unlink()  # left by an earlier write with another split
     config = hf_config_from_args(model.args)
     config["torch_dtype"] = str(model.output.weight.dtype).removeprefix("torch.")
-    write_file(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
 
 
 def shard_by_size(state: dict, max_bytes: int) -> list[list[str]]:

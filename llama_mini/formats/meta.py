@@ -12,7 +12,8 @@ import torch
 
 from ..model import ModelArgs, ffn_hidden_dim
 from .config_check import model_args
-from .files import read_json, tensor_dict, torch_load, write_file
+from ..files import atomic_write
+from .files import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
 
 META_PARAMS = "params.json"
@@ -53,10 +54,10 @@ def meta_rope_scaling_factor(params: dict) -> float:
 
 
 def write_meta(model, path: Path, shards: int) -> None:
-    write_file(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(model.args), indent=2)))
+    atomic_write(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(model.args), indent=2)))
     # A tied output head is stored twice: Meta's format has no tying.
     for rank, shard in enumerate(split_meta_shards(model.state_dict(), shards)):
-        write_file(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
+        atomic_write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
 
 
 def meta_params(args: ModelArgs) -> dict:

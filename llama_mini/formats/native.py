@@ -14,7 +14,8 @@ from safetensors.torch import save_file
 
 from ..quant import read_quantization
 from .config_check import model_args
-from .files import read_json, read_safetensors, write_file
+from ..files import atomic_write
+from .files import read_json, read_safetensors
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
 CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
@@ -68,8 +69,8 @@ def write_native(model, path: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
-    write_file(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {"llama_mini": dataclasses.asdict(model.args)}
     if getattr(model, "quantization", None):
         config["quantization"] = model.quantization
-    write_file(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))
+    atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

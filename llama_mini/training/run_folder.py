@@ -20,17 +20,15 @@ import dataclasses
 import filecmp
 import json
 import math
-import os
 import shutil
 import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import SafetensorError
 
 from ..cli import flag
-from ..files import atomic_write, fsync_dir
+from ..files import atomic_folder, atomic_write
 from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of
 from ..formats.state_dict import build_model
@@ -182,24 +180,22 @@ class RunFolder:
                 raise OSError(f"cannot save {folder}: it exists and this run did not write it; move it out of {self.path}")
             self.checkpoints.append(name)
             self.write_record()  # before any of it exists: a crash leaves nothing the record does not name
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, left by a run killed while writing it
         train_state = {**{k: v for k, v in state.items() if k != "model"}, **meta}
-        try:
+
+        def write(tmp):
             save_checkpoint(build_model(args, state["model"]), tmp, tokenizer_path=self.path / TOKENIZER)
-            atomic_write(tmp / TRAIN_STATE, lambda path: torch_save(train_state, path))
-        except BaseException as e:  # a full disk, say: leave no half-written folder behind
-            shutil.rmtree(tmp, ignore_errors=True)
-            if not isinstance(e, (OSError, SafetensorError)):  # safetensors reports a failed write as its own error
-                raise
+            atomic_write(tmp / TRAIN_STATE, lambda path: torch.save(train_state, path))
+
+        try:  # a folder of ours at this step, left by a run killed before `latest` named it, is replaced
+            atomic_folder(folder, write, tmp=tmp, replacing=True)
+        except OSError as e:  # a full disk, say: no half-written folder is left behind
             reason = getattr(e, "reason", None) or getattr(e, "strerror", None) or e
             if self.latest:
                 then = f"{LATEST} still names {self.latest.name}. Free some space and --resume"
             else:  # --resume would find nothing to resume
                 then = "no checkpoint was saved. Free some space and run the same command again (there is no checkpoint to --resume)"
             raise OSError(f"cannot save {folder}: {reason}; {then}") from None
-        shutil.rmtree(folder, ignore_errors=True)  # ours, left by a run killed before `latest` named it
-        os.replace(tmp, folder)
-        fsync_dir(self.path)
         atomic_write(self.path / LATEST, lambda path: path.write_text(name + "\n"))
         self.latest = folder
         self.prune(keep)
@@ -238,36 +234,6 @@ def state_problem(state, step: int) -> Optional[str]:
     if state["step"] != step:
         return f"it says step {state['step']}, in the folder of step {step}"
     return None
-
-
-class _RecordingWriter:
-    """A file for torch.save that keeps the OSError of a failed write: torch reports any
-    failure as a RuntimeError without its cause (a full disk looks like a bug)."""
-
-    def __init__(self, file):
-        self.file, self.error = file, None
-
-    def write(self, data):
-        try:
-            return self.file.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def flush(self):
-        self.file.flush()
-
-
-def torch_save(obj, path) -> None:
-    """torch.save(obj, path); a failed write raises the OSError that failed it."""
-    with open(path, "wb") as f:
-        writer = _RecordingWriter(f)
-        try:
-            torch.save(obj, writer)
-        except RuntimeError:
-            if writer.error is None:
-                raise
-            raise writer.error from None
 
 
 # --- The metrics log -----------------------------------------------------------------------------
