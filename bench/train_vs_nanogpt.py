@@ -109,13 +109,15 @@ class Run:
 
 
 def loss_at_time(points, t):
-    """The validation loss at wall time t, linear between evaluations; None before the first
-    evaluation after step 0 or after the last."""
+    """The validation loss at wall time t, linear between evaluations after step 0; None
+    outside them."""
     pts = [(pt, loss) for step, pt, loss in points if step > 0]
+    if pts and t == pts[0][0]:
+        return pts[0][1]
     for (t0, l0), (t1, l1) in zip(pts, pts[1:]):
         if t0 <= t <= t1:
             return l0 + (l1 - l0) * (t - t0) / (t1 - t0)
-    return pts[0][1] if pts and t == pts[0][0] else None
+    return None
 
 
 def time_to(points, target):
@@ -165,9 +167,54 @@ def plot(path: Path, runs: dict, target: float) -> None:
     print(f"plot: {path}")
 
 
+def report(runs: dict, work=None) -> None:
+    """The tables: loss at equal steps, at equal wall time, and the time to nanoGPT's final loss."""
+    ng, lm = runs["nanoGPT"], runs["llama_mini"]
+    target = ng.points[-1][2]
+
+    print("\nvalidation loss (nats per character) at equal steps; wall time (s) from start")
+    print(f"{'step':>6} {'nanoGPT':>9} {'time':>7} {'llama_mini':>11} {'time':>7}")
+    lm_by_step = {s: (t, v) for s, t, v in lm.points}
+    for s, t, v in ng.points:
+        if s > 0 and s in lm_by_step:
+            print(f"{s:>6} {v:>9.4f} {t:>7.1f} {lm_by_step[s][1]:>11.4f} {lm_by_step[s][0]:>7.1f}")
+
+    # Each run's loss is known at its evaluations and taken as linear in between: compare at
+    # every evaluation of either, from the first time both have evaluated past step 0 until
+    # nanoGPT's last (after llama_mini's last, its final model counts).
+    print("\nat equal wall time (at the evaluations of either; the other's loss linear between its own)")
+    print(f"{'time':>7} {'nanoGPT':>9} {'llama_mini':>11}")
+    first = max(next(t for s, t, _ in run.points if s > 0) for run in runs.values())
+    times = sorted({t for run in runs.values() for s, t, _ in run.points if s > 0 and first <= t <= ng.points[-1][1]})
+    lower_everywhere = True
+    for t in times:
+        theirs = loss_at_time(ng.points, t)
+        ours = loss_at_time(lm.points, t) if t <= lm.points[-1][1] else lm.points[-1][2]
+        lower_everywhere &= ours < theirs
+        print(f"{t:>7.1f} {theirs:>9.4f} {ours:>11.4f}")
+    print(f"(before {first:.1f} s one of them has not evaluated past step 0 yet)")
+
+    ng_time, lm_reach = ng.end, time_to(lm.points, target)
+    print(f"\nnanoGPT's final val loss {target:.4f}: nanoGPT's whole run {ng_time:.1f} s (last evaluation at "
+          f"{ng.points[-1][1]:.1f} s)")
+    if lm_reach:
+        print(f"llama_mini reaches it at {lm_reach[0]:.1f} s (step {lm_reach[1]:.0f}): "
+              f"{lm_reach[0] / ng.points[-1][1]:.3f} of nanoGPT's time to it (goal: at most 1/3)")
+    else:
+        print("llama_mini does not reach it")
+    print(f"llama_mini's loss is lower at every equal wall time: {'yes' if lower_everywhere else 'no'}")
+    print(f"whole runs: nanoGPT {ng.end:.1f} s, llama_mini {lm.end:.1f} s; final val loss nanoGPT {target:.4f}, "
+          f"llama_mini {lm.points[-1][2]:.4f}")
+    try:
+        lm_ms, ng_ms = step_ms(Path(work) / "llama-run", Path(work) / "nanogpt.log")
+        print(f"median training step: nanoGPT {ng_ms:.1f} ms, llama_mini {lm_ms:.1f} ms ({lm_ms / ng_ms:.2f}x)")
+    except (OSError, ValueError, TypeError):  # no logs (--report)
+        pass
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nanogpt", type=Path, required=True, help="a checkout of nanoGPT (its train.py is run)")
+    p.add_argument("--nanogpt", type=Path, help="a checkout of nanoGPT (its train.py is run)")
     p.add_argument("--data", type=Path, default=FIXTURE, help=f"the text (default: {FIXTURE})")
     p.add_argument("--max-steps", type=int, default=2000, help="steps for both (default: 2000, the recipe's)")
     p.add_argument("--llama-args", default="",
@@ -179,7 +226,17 @@ def main():
                         "compiling counts in full)")
     p.add_argument("--json", type=Path, default=None, help="write the validation points here")
     p.add_argument("--plot", type=Path, default=None, help="the PNG (default: WORK/train_vs_nanogpt.png)")
+    p.add_argument("--report", type=Path, default=None, help="print the tables (and --plot) of a --json file, without running")
     args = p.parse_args()
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        runs = {name: argparse.Namespace(points=[tuple(pt) for pt in run["points"]], end=run["end"]) for name, run in saved.items()}
+        report(runs)
+        if args.plot:
+            plot(args.plot, runs, runs["nanoGPT"].points[-1][2])
+        return
+    if args.nanogpt is None:
+        p.error("--nanogpt DIR is required (or --report JSON)")
 
     nanogpt = args.nanogpt.resolve()
     if not (nanogpt / "train.py").is_file() or not (nanogpt / "data" / "shakespeare_char" / "prepare.py").is_file():
@@ -215,48 +272,10 @@ def main():
     for name, run in runs.items():
         if run.wait() != 0:
             sys.exit(f"error: {name} exited with {run.proc.returncode}; its output is in {run.log.name}")
-    ng, lm = runs["nanoGPT"], runs["llama_mini"]
-    target = ng.points[-1][2]
-
-    print("\nvalidation loss (nats per character) at equal steps; wall time (s) from start")
-    print(f"{'step':>6} {'nanoGPT':>9} {'time':>7} {'llama_mini':>11} {'time':>7}")
-    lm_by_step = {s: (t, v) for s, t, v in lm.points}
-    for s, t, v in ng.points:
-        if s > 0 and s in lm_by_step:
-            print(f"{s:>6} {v:>9.4f} {t:>7.1f} {lm_by_step[s][1]:>11.4f} {lm_by_step[s][0]:>7.1f}")
-
-    print("\nat equal wall time (nanoGPT's evaluations; llama_mini linear between its own)")
-    print(f"{'time':>7} {'nanoGPT':>9} {'llama_mini':>11}")
-    lower_everywhere = True
-    for s, t, v in ng.points:
-        if s == 0:
-            continue
-        other = loss_at_time(lm.points, t)
-        if other is None and t > lm.points[-1][1]:
-            other = lm.points[-1][2]  # llama_mini has finished: its final model
-        lower_everywhere &= other is not None and other < v
-        print(f"{t:>7.1f} {v:>9.4f} {'-' if other is None else f'{other:.4f}':>11}")
-
-    ng_time, lm_reach = ng.end, time_to(lm.points, target)
-    print(f"\nnanoGPT's final val loss {target:.4f}: nanoGPT's whole run {ng_time:.1f} s (last evaluation at "
-          f"{ng.points[-1][1]:.1f} s)")
-    if lm_reach:
-        print(f"llama_mini reaches it at {lm_reach[0]:.1f} s (step {lm_reach[1]:.0f}): "
-              f"{lm_reach[0] / ng.points[-1][1]:.3f} of nanoGPT's time to it (goal: at most 1/3)")
-    else:
-        print("llama_mini does not reach it")
-    print(f"llama_mini's loss is lower at every equal wall time: {'yes' if lower_everywhere else 'no'}")
-    print(f"whole runs: nanoGPT {ng.end:.1f} s, llama_mini {lm.end:.1f} s; final val loss nanoGPT {target:.4f}, "
-          f"llama_mini {lm.points[-1][2]:.4f}")
-    try:
-        lm_ms, ng_ms = step_ms(work / "llama-run", work / "nanogpt.log")
-        print(f"median training step: nanoGPT {ng_ms:.1f} ms, llama_mini {lm_ms:.1f} ms ({lm_ms / ng_ms:.2f}x)")
-    except (OSError, ValueError):
-        pass
-
     if args.json:
         args.json.write_text(json.dumps({name: {"points": run.points, "end": run.end} for name, run in runs.items()}, indent=1))
-    plot(args.plot or work / "train_vs_nanogpt.png", runs, target)
+    report(runs, work)
+    plot(args.plot or work / "train_vs_nanogpt.png", runs, runs["nanoGPT"].points[-1][2])
 
 
 if __name__ == "__main__":
