@@ -165,6 +165,7 @@ def test_kernels_off_trains_model_pys_own_code_and_auto_the_fused_norm_with_the_
     assert losses["off"] == losses["auto"]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own, compiling
 def test_compile_compiles_each_block_and_trains_as_eager_does(text_file, cache_dir, tmp_path):
     """--compile compiles the blocks in place (the weights keep their names), and three steps
     end with eager's losses and weights, up to float32 rounding."""
