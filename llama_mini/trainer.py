@@ -82,10 +82,10 @@ class Trainer:
     """One run's model, optimizer and data, and the data sampler's RNG, stepped one optimizer step
     at a time; training/run.py's start_run builds one from a TrainConfig.
 
-    raw_model is the Transformer (sharded in place under FSDP); model is what a step calls,
-    raw_model compiled and/or wrapped in DDP, as nanoGPT names them. tokens are the token
-    windows, group the processes (training/distributed.py); folder is the run folder save()
-    writes to, tokenizer and corpus what the run reads.
+    raw_model is the Transformer (sharded in place under FSDP, blocks compiled in place under
+    --compile); model is what a step calls, raw_model or it in DDP, as nanoGPT names them.
+    tokens are the token windows, group the processes (training/distributed.py); folder is the
+    run folder save() writes to, tokenizer and corpus what the run reads.
     """
 
     def __init__(self, cfg: TrainConfig, raw_model: Transformer, model, optimizer, tokens, group, device, folder,

@@ -165,6 +165,26 @@ def test_kernels_off_trains_model_pys_own_code_and_auto_the_fused_norm_with_the_
     assert losses["off"] == losses["auto"]
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")  # torch's own, compiling
+def test_compile_compiles_each_block_and_trains_as_eager_does(text_file, cache_dir, tmp_path):
+    """--compile compiles the blocks in place (the weights keep their names), and three steps
+    end with eager's losses and weights, up to float32 rounding."""
+    runs = {}
+    for compile in (False, True):
+        cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / str(compile)), device="cpu",
+                          max_steps=3, compile=compile, **TINY)
+        trainer = start_run(cfg)
+        assert trainer.model is trainer.raw_model
+        losses = [trainer.train_step() for _ in range(3)]
+        runs[compile] = losses, trainer.raw_model.state_dict()
+        trainer.close()
+    (eager_losses, eager), (compiled_losses, compiled) = runs[False], runs[True]
+    assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
+    assert compiled.keys() == eager.keys()
+    for name in eager:
+        torch.testing.assert_close(compiled[name], eager[name], rtol=1e-4, atol=1e-6)
+
+
 def test_trainer_learns_and_samples(text_file, cache_dir, tmp_path):
     cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=60, lr=3e-3, warmup_steps=5, **TINY)
