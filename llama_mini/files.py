@@ -12,6 +12,7 @@ import shutil
 import stat
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 
 
@@ -23,7 +24,7 @@ def atomic_write(path, write) -> None:
     The file gets the mode a new file gets here (0644 under the usual umask) whatever the
     writer gave it: safetensors writes a private file (0600), which would leave the weights
     alone unreadable to the others on a shared machine. A failed write is an OSError naming
-    path, also where torch's zip writer and safetensors report one as their own errors.
+    path, also where safetensors reports one as its own error (torch.save: use torch_save).
     """
     path = Path(path)
     check_replaceable(path)
@@ -38,15 +39,43 @@ def atomic_write(path, write) -> None:
         os.replace(tmp, path)
     except OSError as e:
         raise naming(e, path) from None
-    except (RuntimeError, SafetensorError) as e:
-        if type(e) is not RuntimeError and not isinstance(e, SafetensorError):
-            raise  # a writer's own error (torch's zip writer reports a failed write as a plain RuntimeError)
+    except SafetensorError as e:  # safetensors reports a failed write (a full disk, a size limit) as its own error
         reason = first_line(e).replace(str(tmp), str(path))
         reworded = OSError(f"cannot write {path} ({reason}); is the disk full?")
         reworded.reason = reason
         raise reworded from None
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def torch_save(obj, path) -> None:
+    """torch.save(obj, path) for atomic_write; a failed write raises the OSError that failed it,
+    where torch reports any failure as a RuntimeError without its cause (a full disk looks like a bug)."""
+    with open(path, "wb") as f:
+        writer = _RecordingWriter(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is None:
+                raise
+            raise writer.error from None
+
+
+class _RecordingWriter:
+    """A file that keeps the OSError of a failed write."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        self.file.flush()
 
 
 def atomic_folder(path, write, tmp=None, replacing: bool = False) -> Path:

@@ -12,7 +12,7 @@ import torch
 
 from ..model import ModelArgs, ffn_hidden_dim
 from .config_check import model_args
-from ..files import atomic_write
+from ..files import atomic_write, torch_save
 from .files import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
 
@@ -57,7 +57,7 @@ def write_meta(model, path: Path, shards: int) -> None:
     atomic_write(path / META_PARAMS, lambda tmp: tmp.write_text(json.dumps(meta_params(model.args), indent=2)))
     # A tied output head is stored twice: Meta's format has no tying.
     for rank, shard in enumerate(split_meta_shards(model.state_dict(), shards)):
-        atomic_write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch.save(shard, tmp))
+        atomic_write(path / f"consolidated.{rank:02d}.pth", lambda tmp: torch_save(shard, tmp))
 
 
 def meta_params(args: ModelArgs) -> dict:

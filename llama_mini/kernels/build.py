@@ -233,27 +233,22 @@ def build(force: bool = False) -> Path:
     return lib
 
 
-class BuildFailed(RuntimeError):
-    """The compiler failed or timed out, or what it built does not load: the build's own
-    error, which atomic_write passes on as it is (a plain RuntimeError there is torch's failed write)."""
-
-
 def _compile(cxx: str, out: Path) -> None:
     """Compile the sources into out, and load it in a child process: the binary is trusted only then."""
     command = [cxx, *CXX_FLAGS, *isa_flags(isa()), *map(str, SOURCES), "-o", str(out), *_torch_flags()]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=COMPILE_TIMEOUT)
     except subprocess.TimeoutExpired:
-        raise BuildFailed(f"{Path(cxx).name} did not finish compiling the CPU kernels in {COMPILE_TIMEOUT} s") from None
+        raise RuntimeError(f"{Path(cxx).name} did not finish compiling the CPU kernels in {COMPILE_TIMEOUT} s") from None
     if result.returncode < 0:  # killed (out of memory, say): not the build's fault, so not remembered
         raise subprocess.SubprocessError(f"{Path(cxx).name} {_exit_status(result.returncode)} while compiling the CPU kernels")
     if result.returncode != 0:
         lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
         why = lines[0] if lines else f"it {_exit_status(result.returncode)} and printed nothing"
-        raise BuildFailed(f"{Path(cxx).name} failed on {', '.join(p.name for p in SOURCES)}: {why}")
+        raise RuntimeError(f"{Path(cxx).name} failed on {', '.join(p.name for p in SOURCES)}: {why}")
     reason = _load_in_child(out)
     if reason is not None:
-        raise BuildFailed(f"the CPU kernels {Path(cxx).name} built do not load: {reason}")
+        raise RuntimeError(f"the CPU kernels {Path(cxx).name} built do not load: {reason}")
 
 
 def _load_in_child(lib: Path):

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..cli import flag
-from ..files import atomic_folder, atomic_write
+from ..files import atomic_folder, atomic_write, torch_save
 from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of
 from ..formats.state_dict import build_model
@@ -185,7 +185,7 @@ class RunFolder:
 
         def write(tmp):
             save_checkpoint(build_model(args, state["model"]), tmp, tokenizer_path=self.path / TOKENIZER)
-            atomic_write(tmp / TRAIN_STATE, lambda path: torch.save(train_state, path))
+            atomic_write(tmp / TRAIN_STATE, lambda path: torch_save(train_state, path))
 
         try:  # a folder of ours at this step, left by a run killed before `latest` named it, is replaced
             atomic_folder(folder, write, tmp=tmp, replacing=True)
