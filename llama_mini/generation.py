@@ -64,10 +64,10 @@ def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] 
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens: int, **sampling) -> list[list[int]]:
+def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens: int, *sampling, **named) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
-    sampling: generate_stream's temperature, top_p, top_k, eos_id and seed. prompt_tokens may
+    sampling, named: generate_stream's temperature, top_p, top_k, eos_id and seed. prompt_tokens may
     have rows of different lengths; each row stops at its own EOS. eos_id is one id or several,
     as ints or a tensor (Llama-3 ends a text with <|end_of_text|> and a chat turn with
     <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
@@ -76,7 +76,7 @@ def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens:
     is left alone.
     """
     out = [[] for _ in prompt_tokens]
-    for step in generate_stream(model, prompt_tokens, max_new_tokens, **sampling):
+    for step in generate_stream(model, prompt_tokens, max_new_tokens, *sampling, **named):
         for row, token in zip(out, step):
             if token is not None:
                 row.append(token)
