@@ -5,6 +5,10 @@ pointer, token caches, compiled kernels, the corpus) goes through atomic_write, 
 moment leaves either the old file or the new one, only a regular file is ever replaced (never
 a link, a folder, a FIFO or a device the user named), and an error names the user's path,
 never the temporary one.
+
+Beside it, what the readers of formats/ and tokenizers/ share, with nothing heavier than the
+standard library: brief (a value from a file, as a message shows it) and is_gguf (a GGUF
+file holds both weights and a vocabulary; gguf_file.py reads it).
 """
 
 import errno
@@ -103,3 +107,18 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def brief(value, limit: int = 40) -> str:
+    """A value from a file as an error message shows it: JSON's null, and never a page long."""
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(file: Path) -> bool:
+    """Whether file starts with GGUF's magic (gguf_file.py reads the rest)."""
+    with open(file, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
