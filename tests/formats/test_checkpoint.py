@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini import generate, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
-from fixtures import LLAMA2_TOKENIZER, require
+from fixtures import LLAMA2_TOKENIZER, require, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,13 +34,6 @@ def hf_model(seed=0, **overrides):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
-
-
-def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=128)
-    return Transformer(ModelArgs(**{**args, **kw})).eval()
-
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):

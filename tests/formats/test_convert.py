@@ -9,25 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import tiny_model
 from llama2c_files import export  # llama2.c's export.py layout
-from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
+from llama_mini import ModelArgs, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
 from llama_mini.formats.meta import meta_params
 from llama_mini.tokenizers.spm import train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=128)
-    model = Transformer(ModelArgs(**{**args, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
-
 
 def assert_same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()

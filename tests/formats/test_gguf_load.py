@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
+from fixtures import tiny_model
 from gguf_files import gguf_names, llama_cpp_permute, random_blocks, transformers_model, write_gguf
 from llama_mini import ModelArgs, Transformer, load_checkpoint
 from llama_mini.formats.checkpoint import detect_format
@@ -43,14 +44,8 @@ def tokenizer_path(tmp_path_factory):
 
 
 def small_model(**overrides):
-    torch.manual_seed(0)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32, max_seq_len=256)
-    model = Transformer(ModelArgs(**{**args, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)  # not all ones: a norm read from the wrong tensor shows
-    return model
+    """The shared tiny model (tests/fixtures.py) with the test tokenizer's vocabulary."""
+    return tiny_model(**{"vocab_size": VOCAB, "max_seq_len": 256, **overrides})
 
 
 @torch.no_grad()
