@@ -49,7 +49,7 @@ def chat_checkpoint(root, family, change):
     return save_checkpoint(change(model, tokenizer.eos_id), root / "ckpt", tokenizer_path=tokenizer.model_path)
 
 
-FAMILIES = ["llama2", "llama3", "llama2-gguf", "llama3-gguf"]
+FAMILIES = ["llama2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama3", "llama2-gguf", "llama3-gguf"))]  # llama2: the quick suite's
 
 
 @pytest.fixture(scope="module", params=FAMILIES)

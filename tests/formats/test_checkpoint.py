@@ -148,6 +148,7 @@ print(model.args.max_seq_len)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_a_huge_context_length_allocates_nothing_for_it(tmp_path):
     # max_position_embeddings 250M: 8 GB of cos/sin tables if built for the whole context.

@@ -127,7 +127,7 @@ def sources(tmp_path_factory):
     return model, root
 
 
-@pytest.mark.parametrize("src", ["native", "meta", "hf", "stories.bin"])
+@pytest.mark.parametrize("src", ["native", *(pytest.param(s, marks=pytest.mark.slow) for s in ("meta", "hf", "stories.bin"))])
 def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp_path, src):
     model, root = sources
     targets = ["hf"] if src == "stories.bin" else [to for to in ("native", "meta", "hf") if to != src]
@@ -142,7 +142,7 @@ def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(targets)  # no temporary folder left
 
 
-@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask 022", "umask 027"])
+@pytest.mark.parametrize("umask", [pytest.param(0o022, id="umask 022"), pytest.param(0o027, id="umask 027", marks=pytest.mark.slow)])
 def test_every_file_of_a_checkpoint_gets_the_mode_new_files_get(sources, tmp_path, umask):
     """safetensors writes its files 0600; on a shared machine the weights alone would be private."""
     _, root = sources

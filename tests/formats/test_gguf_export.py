@@ -184,6 +184,7 @@ def convert(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_convert_cli_writes_gguf_and_refuses_to_overwrite(tmp_path, tokenizer_path):
     ckpt = save_checkpoint(small_model(), tmp_path / "ckpt", tokenizer_path=tokenizer_path)
     result = convert(ckpt, tmp_path / "m.gguf", "--to", "gguf", "--type", "q8_0")

@@ -23,7 +23,7 @@ pytest.importorskip("llama_cpp")
 sys.path.insert(0, str(ROOT / "bench"))
 from gguf_parity import LlamaCpp, compare, quantize_with_llama_cpp  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_thread: tests/conftest.py; slow: gguf_run trains a model first
 N = 64  # greedy tokens compared
 
 

@@ -338,7 +338,7 @@ def gguf_file(tmp_path_factory, tokenizer_path):
     return export_gguf(small_model(), tmp_path_factory.mktemp("src") / "model.gguf", tokenizer_path, "f32")
 
 
-@pytest.mark.parametrize("to", ["native", "meta", "hf", "gguf"])
+@pytest.mark.parametrize("to", ["native", *(pytest.param(to, marks=pytest.mark.slow) for to in ("meta", "hf", "gguf"))])
 def test_convert_reads_a_gguf_file_into_every_format_with_its_vocabulary(tmp_path, gguf_file, to):
     dst = tmp_path / ("out.gguf" if to == "gguf" else "out")
     result = convert(gguf_file, dst, "--to", to, *(["--type", "f32"] if to == "gguf" else []))

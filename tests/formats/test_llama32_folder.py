@@ -46,6 +46,7 @@ def llama32(tmp_path_factory):
     return folder, model
 
 
+@pytest.mark.slow
 def test_llama32_folder_converts_to_meta_and_back_with_its_scaling_and_tied_head(llama32, tmp_path):
     folder, reference = llama32
     for src, dst, fmt in ((folder, tmp_path / "meta", "meta"), (tmp_path / "meta", tmp_path / "hf2", "hf")):
