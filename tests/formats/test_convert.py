@@ -142,7 +142,8 @@ def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(targets)  # no temporary folder left
 
 
-@pytest.mark.parametrize("umask", [pytest.param(0o022, id="umask 022"), pytest.param(0o027, id="umask 027", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask 022", "umask 027"])
 def test_every_file_of_a_checkpoint_gets_the_mode_new_files_get(sources, tmp_path, umask):
     """safetensors writes its files 0600; on a shared machine the weights alone would be private."""
     _, root = sources
@@ -211,6 +212,7 @@ def test_hf_output_is_sharded_by_size_as_save_pretrained_does(tmp_path):
     assert_same_weights(load_checkpoint(tmp_path), model)
 
 
+@pytest.mark.slow
 def test_convert_cli_max_shard_size(tmp_path):
     save_checkpoint(tiny_model(), tmp_path / "run")
     result = convert_cli(tmp_path / "run", tmp_path / "hf", "--to", "hf", "--max-shard-gb", "0.00006")

@@ -295,6 +295,7 @@ def test_linear_scaling_by_one_is_no_scaling(tmp_path):
 # --- Memory: one tensor at a time --------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_a_quantized_file_loads_in_about_its_dequantized_size(tmp_path):
     """A Q4_0 file of 29M weights (112 MiB in float32, a 16 MiB file): loading raises the peak

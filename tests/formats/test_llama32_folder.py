@@ -63,6 +63,7 @@ def test_llama32_folder_converts_to_meta_and_back_with_its_scaling_and_tied_head
             assert (model(tokens) - expected).abs().max() <= 1e-4, path
 
 
+@pytest.mark.slow
 def test_generate_prints_transformers_greedy_continuation(llama32):
     folder, reference = llama32
     tokenizer = open_tokenizer(LLAMA3_TOKENIZER)

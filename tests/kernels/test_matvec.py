@@ -404,6 +404,7 @@ def test_greedy_decoding_on_the_kernels_equals_transformers(ops):
     assert generate(use_matvec(ours), [prompt], 60, temperature=0)[0] == expected[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_generate_cli_decodes_on_the_kernels_what_the_model_does(ops, tmp_path):
     """generate.py runs use_matvec: its sampled text is generate()'s on a model on the kernels."""
     from llama_mini.tokenizers import open_tokenizer
