@@ -4,7 +4,12 @@ Every file the package writes (weights, configs, tokenizers, training state, the
 pointer, token caches, compiled kernels, the corpus) goes through atomic_write, and every
 checkpoint folder through atomic_folder, so a kill at any moment leaves either the old one or
 the new one, only a regular file is ever replaced (never a link, a folder, a FIFO or a device
-the user named), and an error names the user's path, never the temporary one."""
+the user named), and an error names the user's path, never the temporary one.
+
+Beside them, what the readers of formats/ and tokenizers/ share, with nothing heavier than the
+standard library: brief (a value from a file, as a message shows it) and is_gguf (a GGUF
+file holds both weights and a vocabulary; gguf_file.py reads it).
+"""
 
 import errno
 import os
@@ -12,8 +17,7 @@ import shutil
 import stat
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError
+import sys
 
 
 def atomic_write(path, write) -> None:
@@ -39,7 +43,9 @@ def atomic_write(path, write) -> None:
         os.replace(tmp, path)
     except OSError as e:
         raise naming(e, path) from None
-    except SafetensorError as e:  # safetensors reports a failed write (a full disk, a size limit) as its own error
+    except Exception as e:
+        if not is_safetensors_error(e):
+            raise
         reason = first_line(e).replace(str(tmp), str(path))
         reworded = OSError(f"cannot write {path} ({reason}); is the disk full?")
         reworded.reason = reason
@@ -48,9 +54,18 @@ def atomic_write(path, write) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def is_safetensors_error(error: Exception) -> bool:
+    """Whether error is safetensors' own, which is how it reports a failed write (a full disk, a
+    size limit); where safetensors was never imported, no error is."""
+    safetensors = sys.modules.get("safetensors")
+    return safetensors is not None and isinstance(error, safetensors.SafetensorError)
+
+
 def torch_save(obj, path) -> None:
     """torch.save(obj, path) for atomic_write; a failed write raises the OSError that failed it,
     where torch reports any failure as a RuntimeError without its cause (a full disk looks like a bug)."""
+    import torch  # here: this module loads only the standard library
+
     with open(path, "wb") as f:
         writer = _RecordingWriter(f)
         try:
@@ -180,3 +195,18 @@ def fsync_dir(path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def brief(value, limit: int = 40) -> str:
+    """A value from a file as an error message shows it: JSON's null, and never a page long."""
+    text = "null" if value is None else repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+GGUF_MAGIC = b"GGUF"
+
+
+def is_gguf(file: Path) -> bool:
+    """Whether file starts with GGUF's magic (gguf_file.py reads the rest)."""
+    with open(file, "rb") as f:
+        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC

@@ -1,11 +1,14 @@
 """The shared fixtures (Meta's tokenizers, llama.cpp's vocabulary tests), found beside the
 checkout through this one constant. A test whose fixture is absent is skipped, except under
-CI (CI=true), where the absence fails it."""
+CI (CI=true), where the absence fails it. And the tiny model the tests build (tiny_model)."""
 
 import os
 from pathlib import Path
 
 import pytest
+import torch
+
+from llama_mini.model import ModelArgs, Transformer
 
 FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
 LLAMA2_TOKENIZER = FIXTURES / "llama2-tokenizer.model"
@@ -21,3 +24,20 @@ def require(path: Path) -> Path:
             pytest.fail(message + " (under CI every fixture must be present)")
         pytest.skip(message)
     return path
+
+
+# dim 64 with 4 heads and 2 key-value heads: grouped-query attention, a hidden size rounded up
+# to multiple_of, small enough that a test builds dozens in a second.
+TINY = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=128)
+
+
+def tiny_model(seed=0, **overrides) -> Transformer:
+    """A small Transformer (TINY, with overrides), its weights drawn from seed, norm weights
+    included (not all ones: a norm read from the wrong tensor shows), in eval mode."""
+    torch.manual_seed(seed)
+    model = Transformer(ModelArgs(**{**TINY, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model.eval()

@@ -49,7 +49,7 @@ def chat_checkpoint(root, family, change):
     return save_checkpoint(change(model, tokenizer.eos_id), root / "ckpt", tokenizer_path=tokenizer.model_path)
 
 
-FAMILIES = ["llama2", "llama3", "llama2-gguf", "llama3-gguf"]
+FAMILIES = ["llama2", *(pytest.param(f, marks=pytest.mark.slow) for f in ("llama3", "llama2-gguf", "llama3-gguf"))]  # llama2: the quick suite's
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -141,6 +141,7 @@ def test_turns_that_end_at_the_end_of_turn_token_print_without_it(turn_end_ckpt)
     assert "<|eot_id|>" not in result.stdout
 
 
+@pytest.mark.slow
 def test_a_chat_that_outgrows_the_context_leaves_out_its_oldest_exchanges_and_goes_on(sensitive_ckpt):
     """As llama.cpp's context shift: once the conversation and room for an answer (here
     --max-new-tokens) no longer fit the context, the oldest exchanges are left out, one notice
@@ -170,6 +171,7 @@ def test_a_chat_that_outgrows_the_context_leaves_out_its_oldest_exchanges_and_go
                        "are left out (the system prompt is kept)" for n in shifts]
 
 
+@pytest.mark.slow
 def test_a_message_too_long_for_the_context_is_not_sent_and_the_chat_goes_on(sensitive_ckpt):
     context, long = 64, "Tom had a red ball and gave it to Sue. " * 20
     tokenizer = tokenizer_of(sensitive_ckpt)

@@ -80,7 +80,7 @@ CASES = {  # format: (flags, how the reference loads it, tolerance)
 }
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", ["native", *(pytest.param(c, marks=pytest.mark.slow) for c in CASES if c != "native")])
 def test_perplexity_and_bits_per_byte_equal_a_direct_computation(files, case, capsys):
     extra, load, tolerance = CASES[case]
     ckpt = files[case.removesuffix("_int8").removesuffix("_bf16")]

@@ -50,6 +50,7 @@ def test_prompt_is_continued_with_exactly_the_decoded_tokens(ckpt):
     assert result.stdout == tokenizer.decode(prompt + new) + "\n"
 
 
+@pytest.mark.slow
 def test_samples_that_reach_eos_print_what_generate_returns(eos_ckpt):
     texts, lengths = expected_samples(eos_ckpt, open_tokenizer(eos_ckpt / "tokenizer.model"), "Tom", 16, 24, seed=0)
     assert 0 in lengths and 24 in lengths and any(0 < n < 24 for n in lengths)  # EOS first, never, midway

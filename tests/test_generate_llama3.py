@@ -27,6 +27,7 @@ def tokenizer(hf_llama3):
     return open_tokenizer(hf_llama3 / "original" / "tokenizer.model")
 
 
+@pytest.mark.slow
 def test_samples_stop_at_eot_and_print_what_generate_returns(hf_llama3, tokenizer):
     texts, lengths = expected_samples(hf_llama3, tokenizer, "Hello", 6, 12, seed=0)
     assert min(lengths) < 12 and max(lengths) == 12  # stopped at a stop id, and ran to the limit
@@ -67,6 +68,7 @@ def test_the_context_is_the_checkpoints_and_the_cache_holds_only_the_tokens_used
     assert capsys.readouterr().out == "Hello there" + tokenizer.decode(new) + "\n"
 
 
+@pytest.mark.slow
 def test_a_folder_with_only_tokenizer_json_reads_it_as_metas_tokenizer(hf_llama3, tokenizer, tmp_path):
     folder = tmp_path / "hf"
     shutil.copytree(hf_llama3, folder, ignore=shutil.ignore_patterns("original"))

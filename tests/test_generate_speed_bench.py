@@ -4,9 +4,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # the benchmark in a child process, transformers included
 def test_quick_run_prints_every_llama_mini_variant_and_transformers():
     result = subprocess.run([sys.executable, str(ROOT / "bench" / "generate_speed.py"), "--quick", "--threads", "1"],
                             capture_output=True, text=True, cwd=ROOT, timeout=600)

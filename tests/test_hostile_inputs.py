@@ -277,6 +277,7 @@ def test_endless_prompt_file_is_refused_after_a_bounded_read(files):
     assert_refused(result, "--prompt-file /dev/zero is longer than 16 MiB, more text than any Llama context holds")
 
 
+@pytest.mark.slow
 def test_a_temperature_too_small_for_float32_decodes_greedily(files):
     """logits / 1e-40 overflow float32: the distribution such a temperature stands for is greedy's."""
     common = ["--ckpt", files / "native", "--prompt", "Tom", "--max-new-tokens", 12, "--seed", 3]
@@ -301,6 +302,7 @@ BAD_CONVERSIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", BAD_CONVERSIONS)
 def test_refused_conversion_leaves_no_destination(files, tmp_path, case):
     """A refusal or a failed write leaves nothing behind that would block the next try."""
@@ -438,6 +440,7 @@ def test_bad_training_input_is_refused_before_any_work(tmp_path, args, fragment)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_vocab_size_below_the_texts_characters_names_the_smallest_that_trains(story_file, tmp_path):
     common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 1, *TINY_TRAIN]
     result = run("train.py", *common, "--vocab-size", 100, "--out", tmp_path / "run")
@@ -450,6 +453,7 @@ def test_vocab_size_below_the_texts_characters_names_the_smallest_that_trains(st
     assert_refused(too_small, f"pass --vocab-size {smallest} or more")
 
 
+@pytest.mark.slow
 def test_full_disk_before_the_first_checkpoint_says_to_run_again_not_to_resume(story_file, tmp_path):
     """--resume would find nothing to resume: the same command, run again, starts the run."""
     common = ["--data", story_file, "--cache-dir", tmp_path / "cache", "--max-steps", 2, "--save-every", 2, *TINY_TRAIN]
@@ -485,6 +489,7 @@ def test_stale_lock_of_a_dead_run_is_taken_over(story_file, tmp_path):
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-000002"
 
 
+@pytest.mark.slow
 def test_failed_checkpoint_write_keeps_the_previous_one_and_says_why(story_file, tmp_path):
     common = ["--data", story_file, "--out", tmp_path / "run", "--cache-dir", tmp_path / "cache", "--save-every", 2, *TINY_TRAIN]
     assert run("train.py", *common, "--max-steps", 2).returncode == 0

@@ -8,11 +8,12 @@ import torch
 from llama_mini import ModelArgs, Transformer
 from llama_mini.formats.hf import from_hf_state_dict, hf_config_from_args, permute_from_hf, permute_to_hf, to_hf_state_dict
 from llama_mini.model import ffn_hidden_dim, rope_frequencies
+from fixtures import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
 CONFIGS = {
-    "mha": dict(dim=64, n_layers=2, n_heads=4, vocab_size=97, multiple_of=32),
+    "mha": dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=None, vocab_size=97, multiple_of=32),
     "gqa": dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=97, multiple_of=32),
     "theta500k_ffnmult": dict(
         dim=96, n_layers=2, n_heads=6, n_kv_heads=3, vocab_size=101, multiple_of=64,
@@ -25,18 +26,6 @@ CONFIGS = {
     ),
 }
 
-
-def random_model(seed=0, **kw):
-    """A tiny model whose every weight, norm weights included, is random (not all ones)."""
-    torch.manual_seed(seed)
-    model = Transformer(ModelArgs(max_seq_len=kw.pop("max_seq_len", 128), **kw))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model.eval()
-
-
 def hf_twin(model):
     """The same weights in transformers' LlamaForCausalLM."""
     config = transformers.LlamaConfig(**hf_config_from_args(model.args), attn_implementation="eager")
@@ -48,7 +37,7 @@ def hf_twin(model):
 
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logits_match_transformers(name):
-    model = random_model(**CONFIGS[name])
+    model = tiny_model(**CONFIGS[name])
     hf = hf_twin(model)
     tokens = torch.randint(0, model.args.vocab_size, (2, 37), generator=torch.Generator().manual_seed(1))
     if model.args.use_scaled_rope:  # long enough that scaled and unscaled frequencies differ
@@ -61,7 +50,7 @@ def test_logits_match_transformers(name):
 
 @pytest.mark.parametrize("name", ["theta500k_ffnmult", "llama31_scaled_rope"])
 def test_rope_frequencies_match_transformers(name):
-    model = random_model(**CONFIGS[name])
+    model = tiny_model(**CONFIGS[name])
     rotary = hf_twin(model).model.rotary_emb
     assert torch.allclose(rope_frequencies(model.args), rotary.inv_freq, rtol=1e-6, atol=0)
     if model.args.use_scaled_rope:  # the scaling really changed the low frequencies
@@ -70,7 +59,7 @@ def test_rope_frequencies_match_transformers(name):
 
 
 def test_hf_round_trip_restores_state_dict():
-    model = random_model(**CONFIGS["gqa"])
+    model = tiny_model(**CONFIGS["gqa"])
     sd = model.state_dict()
     back = from_hf_state_dict(to_hf_state_dict(sd, model.args), model.args)
     assert back.keys() == sd.keys()
@@ -85,7 +74,7 @@ def test_permutation_pairs_adjacent_rows_with_half_offset_rows():
 
 
 def test_hf_config_reads_transformers5_rope_parameters():
-    model = random_model(**CONFIGS["theta500k_ffnmult"])
+    model = tiny_model(**CONFIGS["theta500k_ffnmult"])
     config = transformers.LlamaConfig(**hf_config_from_args(model.args)).to_dict()
     assert "rope_parameters" in config and config["rope_parameters"]["rope_theta"] == 500000.0
     from llama_mini.formats.hf import args_from_hf_config
@@ -96,7 +85,7 @@ def test_hf_config_reads_transformers5_rope_parameters():
 
 @pytest.mark.parametrize("name", ["mha", "gqa"])
 def test_prefill_then_decode_matches_full_forward(name):
-    model = random_model(**CONFIGS[name])
+    model = tiny_model(**CONFIGS[name])
     tokens = torch.randint(0, model.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full = model(tokens)
@@ -110,7 +99,7 @@ def test_prefill_then_decode_matches_full_forward(name):
 def test_cache_is_used_exactly_between_setup_cache_and_drop_cache():
     """start_pos is only the position, as in Meta's code: whether keys and values are
     cached depends on setup_cache alone, and start_pos=0 means the same either way."""
-    model = random_model(**CONFIGS["mha"])
+    model = tiny_model(**CONFIGS["mha"])
     tokens = torch.randint(0, model.args.vocab_size, (1, 8))
     with torch.no_grad():
         plain = model(tokens)
@@ -137,7 +126,7 @@ def rope_tables_seen(model, tokens, **kw) -> list:
 
 
 def test_cache_lives_on_model_device_and_dtype():
-    model = random_model(**CONFIGS["gqa"]).to(torch.bfloat16)
+    model = tiny_model(**CONFIGS["gqa"]).to(torch.bfloat16)
     model.setup_cache(batch_size=3, max_seq_len=16)
     cache = model.layers[0].attention.cache
     assert cache.k.dtype == torch.bfloat16 and cache.k.shape == (3, 2, 16, 8)
@@ -150,7 +139,7 @@ def test_cache_lives_on_model_device_and_dtype():
 def test_rope_tables_cover_the_positions_used_not_the_whole_context():
     """A context of 250M positions (a hostile config) or 128K (Llama-3) allocates nothing
     up front: each forward computes cos/sin for its own positions only."""
-    model = random_model(**CONFIGS["gqa"], max_seq_len=250_000_000)
+    model = tiny_model(**CONFIGS["gqa"], max_seq_len=250_000_000)
     assert not list(model.buffers())
     tokens = torch.randint(0, model.args.vocab_size, (1, 5))
     (cos,) = rope_tables_seen(model, tokens)
@@ -185,7 +174,7 @@ def test_model_args_accepts_meta_params_json():
 
 
 def test_meta_parameter_names():
-    keys = set(random_model(**CONFIGS["gqa"]).state_dict())
+    keys = set(tiny_model(**CONFIGS["gqa"]).state_dict())
     expected = {"tok_embeddings.weight", "norm.weight", "output.weight"}
     for i in range(2):
         expected |= {f"layers.{i}.attention.{w}.weight" for w in ("wq", "wk", "wv", "wo")}
@@ -222,6 +211,6 @@ def test_bad_args_are_refused_with_a_reason():
         ModelArgs(norm="batchnorm")
     with pytest.raises(ValueError, match="n_kv_heads"):
         ModelArgs(dim=64, n_heads=4, n_kv_heads=3)
-    model = random_model(**CONFIGS["mha"])
+    model = tiny_model(**CONFIGS["mha"])
     with pytest.raises(ValueError, match="exceeds max_seq_len 128"):
         model(torch.zeros(1, 129, dtype=torch.long))

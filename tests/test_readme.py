@@ -28,3 +28,9 @@ def test_every_test_the_readme_cites_exists():
         if name:
             defined = {node.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.FunctionDef)}
             assert name in defined, f"README cites {file}::{name}, which {file} does not define"
+
+
+def test_ci_runs_the_whole_suite_and_the_quick_one_leaves_out_only_the_slow_tests():
+    first = re.search(r"^pip install -r requirements-dev\.txt .*$", README, flags=re.M)[0]  # the line .ci/run runs
+    assert first.endswith("python -m pytest -q"), first
+    assert '\npython -m pytest -q -m "not slow"\n' in README

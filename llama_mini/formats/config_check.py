@@ -10,6 +10,7 @@ have them, so no shape built from two of them overflows int64).
 import math
 import typing
 
+from ..files import brief
 from ..model import ModelArgs
 
 MAX_SIZE = 2**31 - 1
@@ -35,12 +36,6 @@ def check_fields(values: dict, types: dict, source) -> None:
         problem = _problem(value, kind)
         if problem:
             raise ValueError(f"{source}: field {name!r} is {brief(value)}; {problem}")
-
-
-def brief(value, limit: int = 40) -> str:
-    """A value from a file as an error message shows it: JSON's null, and never a page long."""
-    text = "null" if value is None else repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _problem(value, kind):

@@ -20,8 +20,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..files import first_line
-from .config_check import brief
+from ..files import brief, first_line
 
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
@@ -32,13 +31,7 @@ MAX_JSON_BYTES = 16 * 2**20
 # torch.save's legacy (pre-1.6, non-zip) format starts with a pickled magic number.
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 _ZIP_MAGIC = b"PK\x03\x04"
-GGUF_MAGIC = b"GGUF"
 
-
-def is_gguf(file: Path) -> bool:
-    """Whether file starts with GGUF's magic (gguf_file.py reads the rest)."""
-    with open(file, "rb") as f:
-        return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
 
 
 def is_torch_file(file: Path) -> bool:

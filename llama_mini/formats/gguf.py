@@ -1,7 +1,7 @@
 """GGUF, llama.cpp's file: models of its "llama" architecture read (read_gguf) and written
 (export_gguf), so that a model held as GGUF runs here and a model trained here runs in llama.cpp.
 
-Written with the `gguf` package, llama.cpp's own writer; read with gguf_file.py and dequantized
+Written with the `gguf` package, llama.cpp's own writer; read with llama_mini/gguf_file.py and dequantized
 with gguf's own quants code. The two directions are one mapping, each fact with its inverse:
 - Tensor names are llama.cpp's (token_embd, blk.N.attn_q, ..., output_norm, output: names.py).
 - Hyperparameters are llama.cpp's llama.* keys (write_hyperparameters, args_from_gguf).
@@ -30,15 +30,15 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import Keys
 
-from ..files import atomic_write
+from ..files import atomic_write, brief
+from ..gguf_file import GGUFFile, check_llama
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
 from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
-from .config_check import brief, check_fields, model_args
-from .gguf_file import GGUFFile, check_llama
+from .config_check import check_fields, model_args
 from .names import from_format, to_format
 from .state_dict import check_layer_count, check_shape
 

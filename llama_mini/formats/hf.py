@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..model import ModelArgs, Transformer
-from .config_check import brief, check_fields
-from ..files import atomic_write
+from ..files import atomic_write, brief
+from .config_check import check_fields
 from .files import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
 from .state_dict import check_layer_count, check_shape

@@ -15,6 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
+from ..files import is_gguf
 from .base import Tokenizer
 
 # A tiktoken ranks file is text, one "base64-token rank" pair per line: "IQ== 0\n".
@@ -28,7 +29,7 @@ def open_tokenizer(path) -> Tokenizer:
         raise FileNotFoundError(f"tokenizer not found: {path}; pass --tokenizer PATH/tokenizer.model")
     with open(path, "rb") as f:
         head = f.read(64)
-    if _is_gguf(path):
+    if is_gguf(path):
         from .gguf import gguf_tokenizer
 
         return gguf_tokenizer(path)
@@ -62,18 +63,12 @@ def check_vocab_size(tokenizer: Tokenizer, vocab_size: int, model) -> None:
 def copy_tokenizer(path, dst) -> None:
     """Copy the tokenizer file at path to dst; of a GGUF model, only its vocabulary (a
     vocabulary-only GGUF file, as llama.cpp's ggml-vocab-*.gguf), not gigabytes of weights."""
-    if _is_gguf(path):
+    if is_gguf(path):
         from .gguf import write_vocabulary_file
 
         write_vocabulary_file(path, dst)
     else:
         shutil.copyfile(path, dst)
-
-
-def _is_gguf(path) -> bool:
-    from ..formats.files import is_gguf  # the format's own test, imported when a tokenizer is opened
-
-    return is_gguf(path)
 
 
 def _looks_like_llama2c(head: bytes) -> bool:

@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini import generate, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
-from fixtures import LLAMA2_TOKENIZER, require
+from fixtures import LLAMA2_TOKENIZER, require, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,13 +34,6 @@ def hf_model(seed=0, **overrides):
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
     return model
-
-
-def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=128)
-    return Transformer(ModelArgs(**{**args, **kw})).eval()
-
 
 @pytest.fixture(scope="module")
 def hf_folder(tmp_path_factory):
@@ -155,6 +148,7 @@ print(model.args.max_seq_len)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc")
 def test_a_huge_context_length_allocates_nothing_for_it(tmp_path):
     # max_position_embeddings 250M: 8 GB of cos/sin tables if built for the whole context.

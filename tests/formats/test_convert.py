@@ -9,25 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import tiny_model
 from llama2c_files import export  # llama2.c's export.py layout
-from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
+from llama_mini import ModelArgs, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
 from llama_mini.formats.meta import meta_params
 from llama_mini.tokenizers.spm import train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def tiny_model(seed=0, **kw):
-    torch.manual_seed(seed)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32, max_seq_len=128)
-    model = Transformer(ModelArgs(**{**args, **kw})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
-
 
 def assert_same_weights(a, b):
     sa, sb = a.state_dict(), b.state_dict()
@@ -138,7 +127,7 @@ def sources(tmp_path_factory):
     return model, root
 
 
-@pytest.mark.parametrize("src", ["native", "meta", "hf", "stories.bin"])
+@pytest.mark.parametrize("src", ["native", *(pytest.param(s, marks=pytest.mark.slow) for s in ("meta", "hf", "stories.bin"))])
 def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp_path, src):
     model, root = sources
     targets = ["hf"] if src == "stories.bin" else [to for to in ("native", "meta", "hf") if to != src]
@@ -153,6 +142,7 @@ def test_convert_cli_from_each_format_to_each_other_keeps_the_model(sources, tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(targets)  # no temporary folder left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("umask", [0o022, 0o027], ids=["umask 022", "umask 027"])
 def test_every_file_of_a_checkpoint_gets_the_mode_new_files_get(sources, tmp_path, umask):
     """safetensors writes its files 0600; on a shared machine the weights alone would be private."""
@@ -222,6 +212,7 @@ def test_hf_output_is_sharded_by_size_as_save_pretrained_does(tmp_path):
     assert_same_weights(load_checkpoint(tmp_path), model)
 
 
+@pytest.mark.slow
 def test_convert_cli_max_shard_size(tmp_path):
     save_checkpoint(tiny_model(), tmp_path / "run")
     result = convert_cli(tmp_path / "run", tmp_path / "hf", "--to", "hf", "--max-shard-gb", "0.00006")

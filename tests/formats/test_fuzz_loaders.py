@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("safetensors_header", "params_json", "hf_config", "native_config", "shard_index", "llama2c_header", "gguf")
 MEMORY_CAP_BYTES = 2**30  # beyond what the imports mapped; the tiny checkpoint needs a few MB
 EXAMPLES_PER_KIND = 200
+pytestmark = pytest.mark.slow  # hundreds of examples per kind, each kind in a child process
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc to size the memory cap")

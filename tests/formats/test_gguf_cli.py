@@ -2,6 +2,7 @@
 train.py --init-from on the GGUF file alone, its vocabulary read from the file."""
 
 import gguf
+import pytest
 import torch
 
 from gguf_files import EVAL, ROOT, cli
@@ -11,6 +12,7 @@ from llama_mini.tokenizers.gguf import GgufSentencePiece
 from llama_mini.training.run_folder import read_metrics
 
 PROMPT = "Once upon a time"
+pytestmark = pytest.mark.slow  # gguf_run (conftest.py) trains a model for 300 steps first
 
 
 def greedy(ckpt, *flags):

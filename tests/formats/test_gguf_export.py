@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from llama_mini import ModelArgs, Transformer, save_checkpoint
+from llama_mini import save_checkpoint
 from llama_mini.formats.convert import GGUF_TYPES
 from llama_mini.formats.hf import to_hf_state_dict
 
 gguf = pytest.importorskip("gguf")
 from llama_mini.formats.gguf import TENSOR_TYPES, export_gguf  # noqa: E402
-from fixtures import LLAMA2_TOKENIZER, require
+from fixtures import LLAMA2_TOKENIZER, require, tiny_model
 from llama2c_files import export_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,10 +30,8 @@ def tokenizer_path():
 
 
 def small_model(**overrides):
-    torch.manual_seed(0)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=32000, multiple_of=32, max_seq_len=256,
-                rope_theta=500000.0)
-    return Transformer(ModelArgs(**{**args, **overrides})).eval()
+    """The shared tiny model (tests/fixtures.py) with Llama-2's vocabulary and Llama-3's RoPE base."""
+    return tiny_model(**{"vocab_size": 32000, "max_seq_len": 256, "rope_theta": 500000.0, **overrides})
 
 
 def read(path):
@@ -186,6 +184,7 @@ def convert(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow
 def test_convert_cli_writes_gguf_and_refuses_to_overwrite(tmp_path, tokenizer_path):
     ckpt = save_checkpoint(small_model(), tmp_path / "ckpt", tokenizer_path=tokenizer_path)
     result = convert(ckpt, tmp_path / "m.gguf", "--to", "gguf", "--type", "q8_0")

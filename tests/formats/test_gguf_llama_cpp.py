@@ -14,7 +14,7 @@ import torch
 from gguf_files import ROOT
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint
 from llama_mini.formats.gguf import export_gguf
-from llama_mini.formats.gguf_file import GGUFFile
+from llama_mini.gguf_file import GGUFFile
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.training import corpus
 from fixtures import LLAMA3_TOKENIZER, require
@@ -23,7 +23,7 @@ pytest.importorskip("llama_cpp")
 sys.path.insert(0, str(ROOT / "bench"))
 from gguf_parity import LlamaCpp, compare, quantize_with_llama_cpp  # noqa: E402
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_thread: tests/conftest.py; slow: gguf_run trains a model first
 N = 64  # greedy tokens compared
 
 

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import GGUFValueType as V
 
+from fixtures import tiny_model
 from gguf_files import gguf_names, llama_cpp_permute, random_blocks, transformers_model, write_gguf
 from llama_mini import ModelArgs, Transformer, load_checkpoint
 from llama_mini.formats.checkpoint import detect_format
@@ -43,14 +44,8 @@ def tokenizer_path(tmp_path_factory):
 
 
 def small_model(**overrides):
-    torch.manual_seed(0)
-    args = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, multiple_of=32, max_seq_len=256)
-    model = Transformer(ModelArgs(**{**args, **overrides})).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)  # not all ones: a norm read from the wrong tensor shows
-    return model
+    """The shared tiny model (tests/fixtures.py) with the test tokenizer's vocabulary."""
+    return tiny_model(**{"vocab_size": VOCAB, "max_seq_len": 256, **overrides})
 
 
 @torch.no_grad()
@@ -300,6 +295,7 @@ def test_linear_scaling_by_one_is_no_scaling(tmp_path):
 # --- Memory: one tensor at a time --------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_a_quantized_file_loads_in_about_its_dequantized_size(tmp_path):
     """A Q4_0 file of 29M weights (112 MiB in float32, a 16 MiB file): loading raises the peak
@@ -343,7 +339,7 @@ def gguf_file(tmp_path_factory, tokenizer_path):
     return export_gguf(small_model(), tmp_path_factory.mktemp("src") / "model.gguf", tokenizer_path, "f32")
 
 
-@pytest.mark.parametrize("to", ["native", "meta", "hf", "gguf"])
+@pytest.mark.parametrize("to", ["native", *(pytest.param(to, marks=pytest.mark.slow) for to in ("meta", "hf", "gguf"))])
 def test_convert_reads_a_gguf_file_into_every_format_with_its_vocabulary(tmp_path, gguf_file, to):
     dst = tmp_path / ("out.gguf" if to == "gguf" else "out")
     result = convert(gguf_file, dst, "--to", to, *(["--type", "f32"] if to == "gguf" else []))

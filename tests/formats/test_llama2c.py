@@ -187,6 +187,7 @@ def test_a_file_of_no_known_format_is_refused(tmp_path):
 # --- The user's path: generate.py --ckpt model.bin --------------------------------------------------
 
 
+@pytest.mark.slow
 def test_generate_cli_prints_the_exported_models_greedy_text(tmp_path):
     text = "Tom had a red ball. He gave it to Sue, and she was glad. " * 40
     tok = train_sentencepiece(text.split(". "), vocab_size=300, model_path=tmp_path / "tokenizer.model")

@@ -46,6 +46,7 @@ def llama32(tmp_path_factory):
     return folder, model
 
 
+@pytest.mark.slow
 def test_llama32_folder_converts_to_meta_and_back_with_its_scaling_and_tied_head(llama32, tmp_path):
     folder, reference = llama32
     for src, dst, fmt in ((folder, tmp_path / "meta", "meta"), (tmp_path / "meta", tmp_path / "hf2", "hf")):
@@ -62,6 +63,7 @@ def test_llama32_folder_converts_to_meta_and_back_with_its_scaling_and_tied_head
             assert (model(tokens) - expected).abs().max() <= 1e-4, path
 
 
+@pytest.mark.slow
 def test_generate_prints_transformers_greedy_continuation(llama32):
     folder, reference = llama32
     tokenizer = open_tokenizer(LLAMA3_TOKENIZER)

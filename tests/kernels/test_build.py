@@ -73,6 +73,7 @@ def kernel_lines(stderr: str) -> list:
     return [line for line in stderr.splitlines() if line.startswith("llama_mini:")]
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_a_truncated_cached_kernel_is_rebuilt_once_with_one_notice(ckpt, binary, tmp_path):
     """Loading a short ELF faults (SIGBUS): it is loaded in a child process, never in the run."""
     cxx = compiler(tmp_path, binary)
@@ -87,6 +88,7 @@ def test_a_truncated_cached_kernel_is_rebuilt_once_with_one_notice(ckpt, binary,
     assert again.returncode == 0 and kernel_lines(again.stderr) == [] and calls(tmp_path) == 1, again.stderr
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_a_build_that_does_not_load_is_not_tried_again(ckpt, binary, tmp_path):
     cxx = compiler(tmp_path, binary[:100_000])
     first = generate(ckpt, tmp_path / "cache", cxx)
@@ -99,6 +101,7 @@ def test_a_build_that_does_not_load_is_not_tried_again(ckpt, binary, tmp_path):
     assert all("remembered from an earlier build" in line for line in kernel_lines(again.stderr))
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_a_failing_compiler_is_tried_once_per_machine_and_its_failure_is_shown(ckpt, tmp_path):
     first = generate(ckpt, tmp_path / "cache", "/bin/false")
     assert first.returncode == 0 and "Traceback" not in first.stderr, first.stderr
@@ -111,12 +114,14 @@ def test_a_failing_compiler_is_tried_once_per_machine_and_its_failure_is_shown(c
     assert all(f"remembered from an earlier build: delete {record} to try again" in line for line in kernel_lines(again.stderr))
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_another_compiler_is_tried_after_a_failed_one(ckpt, binary, tmp_path):
     assert generate(ckpt, tmp_path / "cache", "/bin/false").returncode == 0
     working = generate(ckpt, tmp_path / "cache", compiler(tmp_path, binary))
     assert working.returncode == 0 and kernel_lines(working.stderr) == [build.BUILD_NOTICE], working.stderr
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_a_compiler_killed_by_a_signal_is_tried_again_by_the_next_run(ckpt, tmp_path):
     """Out of memory, say: not the build's fault, so the next run builds again."""
     cxx = tmp_path / "killed-c++"
@@ -129,6 +134,7 @@ def test_a_compiler_killed_by_a_signal_is_tried_again_by_the_next_run(ckpt, tmp_
         assert all("killed-c++ was killed by SIGKILL while compiling" in line for line in kernel_lines(result.stderr)[1:])
 
 
+@pytest.mark.slow  # generate.py runs in a child process, building the kernels
 def test_another_valid_library_at_the_cached_name_is_never_loaded_and_is_rebuilt(ckpt, binary, tmp_path):
     """A shared library that loads but is not the one recorded (here, one without our operators):
     its record does not match, so it is rebuilt before anything loads it."""

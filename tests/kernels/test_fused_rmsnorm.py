@@ -255,6 +255,7 @@ def test_tensors_no_kernel_takes_fall_back_with_one_notice_or_are_refused(caplog
         fused(x)
 
 
+@pytest.mark.slow  # builds the kernels, several times
 @requires_kernel
 def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkeypatch, capsys):
     """Runs the real build command on a small source (the operator itself takes longer)."""
@@ -279,6 +280,7 @@ def test_build_is_cached_per_source_and_reports_compiler_errors(tmp_path, monkey
     assert len(list(tmp_path.glob("*.so"))) == 2 and not list(tmp_path.glob(".*"))  # no half-written binary left
 
 
+@pytest.mark.slow  # builds the kernels
 @requires_kernel
 def test_a_build_removes_what_killed_builds_left_and_keeps_running_ones(tmp_path, monkeypatch):
     monkeypatch.setenv("LLAMA_MINI_CACHE", str(tmp_path))

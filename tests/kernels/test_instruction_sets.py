@@ -22,6 +22,7 @@ KERNEL_TESTS = ["tests/kernels/test_matvec.py", "tests/kernels/test_one_function
 # The first instruction set this CPU executes is its own (the native build, which the suite ran
 # already); the others are those below it.
 BELOW_NATIVE = build.runnable_isas()[1:]
+pytestmark = pytest.mark.slow  # a build of the kernels and a child pytest per instruction set: minutes each
 
 
 def in_child(isa: str, *args, timeout=1800) -> subprocess.CompletedProcess:

@@ -11,12 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
+from llama_mini import ModelArgs, generate, load_checkpoint, save_checkpoint
 from llama_mini.kernels import matvec, use_matvec
 from llama_mini.kernels.matvec import KernelBlock, MatvecLinear
 from llama_mini.quant.layers import quantized_activations
 from llama_mini.quant.layout import interleave_rows, pack_int8, unpack_int8
 from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
+from fixtures import tiny_model
 from generate_cli_helpers import LLAMA2_TOKENIZER, require, run
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -214,14 +215,13 @@ def test_swiglus_gate_is_silu_times_b_computed_alike_for_every_element(ops, dtyp
 # --- A model on the kernels ------------------------------------------------------------------------
 
 
-def tiny_model(seed=0, **overrides):
-    torch.manual_seed(seed)
-    fields = dict(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=128, multiple_of=32, max_seq_len=256)
-    return Transformer(ModelArgs(**{**fields, **overrides})).eval()
+def kernel_model(seed=0, **overrides):
+    """The shared tiny model (tests/fixtures.py) with 8 query heads to each pair of key-value heads."""
+    return tiny_model(seed, **{"n_heads": 8, "vocab_size": 128, "max_seq_len": 256, **overrides})
 
 
 def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
-    model = tiny_model()
+    model = kernel_model()
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
     names = list(model.state_dict())
     use_matvec(model)
@@ -249,7 +249,7 @@ def block_on_the_operators(ops, block, x, cos, sin, start):
 def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization):
     from llama_mini.quant import quantize
 
-    model = tiny_model(n_layers=1).to(dtype)
+    model = kernel_model(n_layers=1).to(dtype)
     if quantization:
         quantize(model, quantization)
     use_matvec(model)
@@ -273,7 +273,7 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
 
 
 def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
-    model = use_matvec(tiny_model())
+    model = use_matvec(kernel_model())
     model.setup_cache(1, 4)
     with torch.inference_mode(), pytest.raises(ValueError, match="do not fit the KV cache"):
         model(torch.tensor([[3]]), 4)  # block_on_kernels declines; KVCache.update says what is wrong
@@ -284,7 +284,7 @@ def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
     use_matvec, then generating (which sets up a new cache), runs the quantized weights."""
     from llama_mini.quant import quantize
 
-    changed, expected = use_matvec(tiny_model()), tiny_model()
+    changed, expected = use_matvec(kernel_model()), kernel_model()
     generate(changed, [[1, 2, 3]], 8, temperature=0)
     quantize(changed, "int8")
     use_matvec(changed)  # the quantized layers onto the kernels too
@@ -298,7 +298,7 @@ def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
 
 
 def test_decoding_with_gradients_runs_the_models_own_operations(ops):
-    model = use_matvec(tiny_model())
+    model = use_matvec(kernel_model())
     model.setup_cache(1, 8)
     with torch.no_grad():
         model(torch.tensor([[1, 2]]), 0)
@@ -310,7 +310,7 @@ def test_decoding_with_gradients_runs_the_models_own_operations(ops):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm the block operator does not take: the blocks' own code runs
 def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
-    reference = tiny_model(norm=norm).to(dtype)
+    reference = kernel_model(norm=norm).to(dtype)
     fast = use_matvec(copy.deepcopy(reference))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -351,7 +351,7 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
 
 def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):
     """A transposed or sliced weight (a view, not contiguous) is not an error: torch's F.linear runs."""
-    model = tiny_model()
+    model = kernel_model()
     reference = copy.deepcopy(model)
     wq = model.layers[0].attention.wq
     wq.weight = torch.nn.Parameter(wq.weight.detach().t().contiguous().t())  # the same values, column-major
@@ -371,7 +371,7 @@ def test_under_autocast_a_model_on_the_kernels_computes_what_it_does_off_them(op
     function, float32 arithmetic, autocast or not."""
     from llama_mini.quant import quantize
 
-    reference = tiny_model()
+    reference = kernel_model()
     if quantization:
         quantize(reference, quantization)
     fast = use_matvec(copy.deepcopy(reference))
@@ -395,7 +395,7 @@ def test_greedy_decoding_on_the_kernels_equals_transformers(ops):
     transformers = pytest.importorskip("transformers")
     from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict
 
-    ours = tiny_model(seed=0)
+    ours = kernel_model(seed=0)
     theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config_from_args(ours.args))).eval()
     theirs.load_state_dict(to_hf_state_dict(ours.state_dict(), ours.args), strict=False)
     theirs.generation_config.eos_token_id = None  # token 2 is an ordinary token here: nothing stops or is suppressed
@@ -404,12 +404,13 @@ def test_greedy_decoding_on_the_kernels_equals_transformers(ops):
     assert generate(use_matvec(ours), [prompt], 60, temperature=0)[0] == expected[0, len(prompt):].tolist()
 
 
+@pytest.mark.slow
 def test_generate_cli_decodes_on_the_kernels_what_the_model_does(ops, tmp_path):
     """generate.py runs use_matvec: its sampled text is generate()'s on a model on the kernels."""
     from llama_mini.tokenizers import open_tokenizer
 
     fixture = require(LLAMA2_TOKENIZER)
-    model = tiny_model(seed=4, vocab_size=32000, dim=128, n_heads=4, n_kv_heads=4)
+    model = kernel_model(seed=4, vocab_size=32000, dim=128, n_heads=4, n_kv_heads=4)
     save_checkpoint(model, tmp_path, tokenizer_path=fixture)
     result = run("--ckpt", tmp_path, "--prompt", "Hello", "--max-new-tokens", 40, "--seed", 7)
     assert result.returncode == 0, result.stderr

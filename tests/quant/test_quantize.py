@@ -206,6 +206,7 @@ def windowed_logits(model, tokens, window=16):
     return torch.cat([model(chunk) for chunk in tokens.split(window, dim=1)], dim=1)
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 @torch.no_grad()
 def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_only_parts_at_near_ties(trained):
     run, tokens = trained
@@ -229,6 +230,7 @@ def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_only_
         assert theirs[parted] == logits[parted].argmax() and best[parted] - picked[parted] > 0
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 @torch.no_grad()
 def test_int4_validation_perplexity_within_3_percent_of_fp32(trained):
     run, tokens = trained
@@ -255,6 +257,7 @@ def logits_read_in_pieces(model, window, piece):
     return logits
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 @pytest.mark.parametrize("method", [None, "int8", "int4"])
 def test_perplexity_on_the_kernels_does_not_depend_on_how_the_text_is_cut(trained, method):
     """Held-out perplexity over 4 windows of 128 tokens, as generate.py runs the model: read in
@@ -295,6 +298,7 @@ def per_row_int8_layer(weight):
     return layer
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @torch.inference_mode()
 def test_int8_weights_are_as_close_to_the_float_ones_as_q8_0s(trained, dtype):
@@ -312,6 +316,7 @@ def test_int8_weights_are_as_close_to_the_float_ones_as_q8_0s(trained, dtype):
     assert ours <= q8_0 * 1.01 and ours < 0.8 * per_row, (ours, q8_0, per_row)
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 def test_every_linear_is_quantized_the_head_to_int8_and_the_embedding_kept(trained):
     model = load_checkpoint(trained[0], quantize="int4")
     assert isinstance(model.output, Int8Linear)
@@ -320,6 +325,7 @@ def test_every_linear_is_quantized_the_head_to_int8_and_the_embedding_kept(train
     assert linears == [] and sum(isinstance(m, Int4Linear) for m in model.modules()) == 7 * model.args.n_layers
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 def test_generate_cli_quantizes_at_load_and_decodes_what_the_quantized_model_does(trained):
     run, _ = trained
     result = subprocess.run([sys.executable, str(ROOT / "generate.py"), "--ckpt", str(run), "--quantize", "int4", "--prompt",
@@ -342,6 +348,7 @@ def convert(*args):
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow  # the trained fixture: a model trained on the stories first
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_convert_then_load_equals_quantize_at_load_bit_for_bit(trained, tmp_path, method):
     run, tokens = trained
@@ -511,6 +518,7 @@ print(json.dumps([generate(model, prompts, 80, temperature=0), [generate(model, 
 """
 
 
+@pytest.mark.slow  # four child processes of 80 greedy tokens each, per dtype
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_stories260k_in_int8_gives_the_same_greedy_text_in_every_run(dtype):
     """Three runs on the kernels, each in a process of its own, and the layers' own code: the

@@ -13,7 +13,8 @@ from llama_mini.training import corpus
 from llama_mini.training.run_folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in")
+pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in"),
+              pytest.mark.slow]  # slow: each test starts processes that train together
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from llama_mini.training.config import TrainConfig
 ROOT = Path(__file__).resolve().parents[2]
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_thread: tests/conftest.py; slow: a run trained first
 
 # What the source run and the fine-tuning runs share: the same evaluation windows.
 EVAL = ["--seq-len", 32, "--batch-size", 4, "--eval-iters", 2, "--sample-tokens", 0, "--device", "cpu"]

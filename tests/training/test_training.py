@@ -285,6 +285,7 @@ def test_load_checkpoint_returns_the_trained_model(reference_run):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
+@pytest.mark.slow  # each kill, resume and comparison is a train.py run in a subprocess
 @pytest.mark.parametrize("attempt", range(3))  # three random kill times per run of the suite
 def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(reference_run, tmp_path, attempt):
     args = [*reference_run["args"], "--out", tmp_path / "run"]
@@ -307,6 +308,7 @@ def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(
     assert [r["step"] for r in records] == list(range(81))  # one history: records after the crash were dropped
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_exits_cleanly_and_resume_matches(reference_run, tmp_path):
     args = [*reference_run["args"], "--out", tmp_path / "run"]
     cli = Cli(args, tmp_path / "interrupted")
@@ -323,6 +325,7 @@ def test_ctrl_c_saves_exits_cleanly_and_resume_matches(reference_run, tmp_path):
     assert all(torch.equal(ref[k], ours[k]) for k in ref)
 
 
+@pytest.mark.slow
 def test_ctrl_c_twice_before_the_first_checkpoint_says_to_start_again_and_that_works(reference_run, tmp_path):
     """A second Ctrl-C stops at once: during the first evaluation there is no checkpoint yet,
     so --resume would find nothing to resume; the same command, run again, starts the run."""

@@ -24,8 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
-from .config_check import brief
-from .files import GGUF_MAGIC
+from .files import GGUF_MAGIC, brief
 
 VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
