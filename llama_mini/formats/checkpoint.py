@@ -19,10 +19,9 @@ from pathlib import Path
 
 from ..model import Transformer
 from .. import quant
-from ..files import is_gguf
+from ..files import atomic_write, is_gguf
 from ..tokenizers import copy_tokenizer
 from . import llama2c
-from ..files import atomic_write
 from .files import is_torch_file
 from .hf import MAX_SHARD_BYTES, hf_config_from_args, read_hf, write_hf
 from .meta import is_meta, read_meta, write_meta
