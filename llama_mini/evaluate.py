@@ -28,13 +28,15 @@ from .tokenizers.long_text import encode_long
 from .training.data import check_utf8
 
 READ_BYTES = 1 << 22
+DEFAULT_CTX = 512  # llama-perplexity's
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m llama_mini.evaluate", description=__doc__.split("\n\n")[0])
     add_model_arguments(p)
     p.add_argument("--data", required=True, help="a UTF-8 text file")
-    p.add_argument("--ctx", type=int, default=512, help="tokens per chunk; the second half of each is scored (default: 512, llama.cpp's)")
+    p.add_argument("--ctx", type=int, help=f"tokens per chunk; the second half of each is scored (default: {DEFAULT_CTX}, "
+                                           "llama.cpp's, or the model's context where it is shorter)")
     p.add_argument("--chunks", type=int, help="score only the first N chunks (default: all)")
     args = p.parse_args(argv)
     check_number("--ctx", args.ctx, 4)
@@ -108,8 +110,9 @@ def evaluate(args) -> Tally:
     ckpt, fmt, tokenizer = open_checkpoint(args)
     model = load_model(args, ckpt, fmt, tokenizer)
     context = model.args.max_seq_len
-    if args.ctx > context:
+    if args.ctx is not None and args.ctx > context:
         raise ValueError(f"--ctx {args.ctx} is longer than the model's context ({context} tokens); pass --ctx {context} or less")
+    args.ctx = args.ctx or min(DEFAULT_CTX, context)
     model.eval()
     text_bytes, tally = TextBytes(tokenizer), Tally()
     print(f"scoring {path} in chunks of {args.ctx} tokens, the second half of each (llama.cpp's method)", file=sys.stderr)

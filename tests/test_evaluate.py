@@ -126,3 +126,9 @@ def test_bad_input_is_refused_in_one_line(files, tmp_path, case, words):
     assert len([line for line in result.stderr.splitlines() if line.startswith("error:")]) == 1, result.stderr
     for word in words:
         assert word in result.stderr, result.stderr
+
+
+def test_ctx_is_llama_cpps_512_or_the_models_context_where_shorter(files, capsys):
+    """The fixture's model holds 128 positions: without --ctx its chunks are 128 tokens long."""
+    assert main_exit(["--ckpt", str(files["native"]), "--data", str(files["text"]), "--chunks", "2"]) == 0
+    assert f"over {2 * 63} tokens (2 chunks of 128)" in capsys.readouterr().out
