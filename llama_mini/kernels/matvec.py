@@ -77,20 +77,27 @@ class MatvecLinear(nn.Linear):
         return super().forward(x) if ops is None else ops.linear_dense(x, self.weight)
 
 
-class MatvecInt8Linear(Int8Linear):
-    """Int8Linear on the integer kernel (rows held in sets of eight): its own function, autocast or not."""
+class IntegerKernel:
+    """An integer layer on its kernel (kernel(ops, x)), where the operands allow; its own
+    function otherwise. The same function either way, autocast or not."""
 
     def forward(self, x):
         ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
-        return super().forward(x) if ops is None else ops.linear_int8(x, self.weight, self.scales)
+        return super().forward(x) if ops is None else self.kernel(ops, x)
 
 
-class MatvecInt4Linear(Int4Linear):
-    """Int4Linear on the integer kernel: its own function, autocast or not."""
+class MatvecInt8Linear(IntegerKernel, Int8Linear):
+    """Int8Linear on the integer kernel (rows held in sets of eight)."""
 
-    def forward(self, x):
-        ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
-        return super().forward(x) if ops is None else ops.linear_int4(x, self.weight, self.scales, self.zeros)
+    def kernel(self, ops, x):
+        return ops.linear_int8(x, self.weight, self.scales)
+
+
+class MatvecInt4Linear(IntegerKernel, Int4Linear):
+    """Int4Linear on the integer kernel."""
+
+    def kernel(self, ops, x):
+        return ops.linear_int4(x, self.weight, self.scales, self.zeros)
 
 
 class KernelBlock(TransformerBlock):
