@@ -190,6 +190,17 @@ def load() -> None:
         raise RuntimeError(reason)
 
 
+def checked(make):
+    """(make(), None) with the operators loaded, on the CPU, make's self-check passed; else (None,
+    the first line of why not). How each kernel layer loads its operators (once: it caches this)."""
+    try:
+        with torch.device("cpu"):
+            load()
+            return make(), None
+    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        return None, (str(e).splitlines() or [type(e).__name__])[0]
+
+
 @functools.cache
 def _load_once():
     """None once the library is loaded, else the first line of why not."""

@@ -22,7 +22,6 @@ autograd's op-by-op chain.
 
 import functools
 import logging
-import subprocess
 
 import torch
 from torch import nn
@@ -138,17 +137,18 @@ def _cuda_fusable() -> bool:
 @functools.cache
 def cpu_kernel():
     """The loaded and self-checked CPU kernel as (CpuKernel, None), or (None, why not)."""
-    try:
-        # A model built on the meta device (load_checkpoint) asks for the kernel too, and
-        # the checks below need real tensors; the first use may also be inside no_grad.
-        with torch.device("cpu"), torch.inference_mode(False), torch.enable_grad():
-            build.load()
-            kernel = CpuKernel()
-            kernel.calibrate()
-            _self_check(kernel)
-        return kernel, None
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        return None, (str(e).splitlines() or [type(e).__name__])[0]
+    return build.checked(_checked_kernel)
+
+
+def _checked_kernel():
+    # A model built on the meta device (load_checkpoint) asks for the kernel too, and the
+    # checks below need real tensors (build.checked runs this on the CPU); the first use may
+    # also be inside no_grad.
+    with torch.inference_mode(False), torch.enable_grad():
+        kernel = CpuKernel()
+        kernel.calibrate()
+        _self_check(kernel)
+    return kernel
 
 
 class CpuKernel:

@@ -19,7 +19,6 @@ answers when first loaded.
 
 import functools
 import logging
-import subprocess
 import weakref
 from typing import Optional
 
@@ -38,18 +37,20 @@ log = logging.getLogger(__name__)
 @functools.cache
 def operators():
     """torch.ops.llama_mini with the matvec operators loaded and checked, or None (said once)."""
-    try:
-        with torch.device("cpu"), torch.inference_mode():
-            build.load()
-            ops = torch.ops.llama_mini
-            if not ops.matvec_available():
-                log.debug("llama_mini: no matrix-vector kernels for this CPU (they need AVX2 and FMA)")
-                return None
-            _self_check(ops)
-        return ops
-    except (RuntimeError, OSError, subprocess.SubprocessError) as e:
-        log.warning("llama_mini: CPU kernels unavailable (%s); using torch's", (str(e).splitlines() or ["?"])[0])
-        return None
+    ops, why = build.checked(_checked_operators)
+    if why is not None:
+        log.warning("llama_mini: CPU kernels unavailable (%s); using torch's", why)
+    return ops
+
+
+def _checked_operators():
+    with torch.inference_mode():
+        ops = torch.ops.llama_mini
+        if not ops.matvec_available():
+            log.debug("llama_mini: no matrix-vector kernels for this CPU (they need AVX2 and FMA)")
+            return None
+        _self_check(ops)
+    return ops
 
 
 FLOATS = (torch.float32, torch.bfloat16)  # the activation, weight and scale dtypes the kernels read
