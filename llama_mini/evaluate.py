@@ -104,8 +104,10 @@ def score(model, chunk: torch.Tensor, text_bytes: TextBytes) -> tuple[torch.Tens
 
 def evaluate(args) -> Tally:
     path = Path(args.data)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"data not found: {path}; pass --data a UTF-8 text file")
+    if not path.is_file():
+        raise ValueError(f"{path} is not a file (a folder or a device); pass --data a UTF-8 text file")
     check_utf8(path, hashlib.sha256())  # the whole file before any work: a bad byte is named, not met halfway
     ckpt, fmt, tokenizer = open_checkpoint(args)
     model = load_model(args, ckpt, fmt, tokenizer)

@@ -110,13 +110,15 @@ def test_chunks_limits_the_chunks_scored(files, capsys):
 
 @pytest.mark.parametrize("case, words", [
     ("missing", ["data not found", "nowhere.txt"]),
+    ("folder", ["is not a file", "pass --data a UTF-8 text file"]),
     ("latin1", ["not UTF-8", "0xe9", "offset 4"]),
     ("short", ["fewer than --ctx 64 tokens"]),
     ("ctx", ["--ctx 4096 is longer than the model's context (128 tokens)"]),
     ("zero_ctx", ["--ctx"]),
 ])
 def test_bad_input_is_refused_in_one_line(files, tmp_path, case, words):
-    data = {"missing": tmp_path / "nowhere.txt", "latin1": tmp_path / "latin1.txt", "short": tmp_path / "short.txt"}.get(case, files["text"])
+    data = {"missing": tmp_path / "nowhere.txt", "latin1": tmp_path / "latin1.txt", "short": tmp_path / "short.txt",
+            "folder": tmp_path}.get(case, files["text"])
     (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait".encode("latin-1").replace(b"caf", b"cafe"))
     (tmp_path / "short.txt").write_text("Once upon a time.")
     ctx = {"ctx": "4096", "zero_ctx": "0"}.get(case, str(CTX))
