@@ -2,7 +2,7 @@
 
 Fine-tune a checkpoint on your text with `--init-from CKPT`. This file is the loop: step,
 evaluate, log, save. The step is llama_mini/trainer.py, the model llama_mini/model.py, and a
-run's machinery (flags, data, run folder, resume, processes) llama_mini/training/. Runs on one
+run's machinery (flags, data, run folder, resume, processes) llama_mini/run/. Runs on one
 device as is, and on K processes (DDP, or FSDP2 with --fsdp) under
 `torchrun --nproc_per_node=K train.py ...`.
 """
@@ -25,10 +25,10 @@ from llama_mini.cli import run_main  # noqa: E402
 from llama_mini.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
 from llama_mini.trainer import lr_at, sample_text  # noqa: E402
-from llama_mini.training.config import TrainConfig, add_arguments  # noqa: E402
-from llama_mini.training.run import start_run  # noqa: E402
-from llama_mini.training.run_folder import METRICS, MetricsLog, report_losses  # noqa: E402
-from llama_mini.training.signals import GracefulStop  # noqa: E402
+from llama_mini.run.config import TrainConfig, add_arguments  # noqa: E402
+from llama_mini.run.start import start_run  # noqa: E402
+from llama_mini.run.folder import METRICS, MetricsLog, report_losses  # noqa: E402
+from llama_mini.run.signals import GracefulStop  # noqa: E402
 
 
 def train(cfg: TrainConfig) -> Path:

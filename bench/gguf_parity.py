@@ -37,7 +37,7 @@ from llama_mini import generate, load_checkpoint  # noqa: E402
 from llama_mini.formats.convert import convert  # noqa: E402
 from llama_mini.gguf_file import GGUFFile  # noqa: E402
 from llama_mini.tokenizers import open_tokenizer  # noqa: E402
-from llama_mini.training import corpus  # noqa: E402
+from llama_mini.run import corpus  # noqa: E402
 
 # Every type llama_mini reads, and the types llama.cpp's quantizer mixes for its usual files.
 PURE = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_1", "Q5_0", "Q4_K", "Q4_1", "Q4_0", "Q3_K", "Q2_K")

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini.device import pick_device  # noqa: E402
 from llama_mini.trainer import flops_per_token  # noqa: E402
-from llama_mini.training.run import start_run  # noqa: E402
-from llama_mini.training.config import TrainConfig  # noqa: E402
+from llama_mini.run.start import start_run  # noqa: E402
+from llama_mini.run.config import TrainConfig  # noqa: E402
 
 # (name, dim, n_layers, n_heads, seq_len, batch_size)
 SIZES = {

@@ -72,7 +72,7 @@ def prepare_llama_mini(text: Path, vocab_size: int, cache_dir: Path) -> None:
     timed run then finds done."""
     from llama_mini import ModelArgs, Transformer
     from llama_mini.kernels import use_fused_rmsnorm
-    from llama_mini.training.data import load_tokenizer, open_corpus, tokenize
+    from llama_mini.run.data import load_tokenizer, open_corpus, tokenize
 
     corpus = open_corpus(str(text))
     tokenizer = load_tokenizer(corpus, vocab_size, cache_dir)

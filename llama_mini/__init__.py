@@ -2,7 +2,7 @@
 
 The core is model.py (the Transformer, torch only), generation.py (sampling) and trainer.py
 (the training step). Everything else is a layer around it, in a subpackage named for its job:
-formats/ (checkpoints in and out), tokenizers/, training/ (a run's machinery), quant/ (int8
+formats/ (checkpoints in and out), tokenizers/, run/ (a training run's machinery), quant/ (int8
 and int4 weights) and kernels/ (CPU kernels). The names below are imported on first use, so
 `import llama_mini` loads none of them.
 """

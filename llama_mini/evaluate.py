@@ -25,7 +25,7 @@ from .bits_per_byte import TextBytes, bits_per_byte
 from .cli import check_number, run_main
 from .inference import add_model_arguments, load_model, open_checkpoint
 from .tokenizers.long_text import encode_long
-from .training.data import check_utf8
+from .run.data import check_utf8
 
 READ_BYTES = 1 << 22
 DEFAULT_CTX = 512  # llama-perplexity's

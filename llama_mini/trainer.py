@@ -2,7 +2,7 @@
 one optimizer step at a time, for train.py's loop and the norm ablation to drive.
 
 A Trainer holds a run's model, optimizer and data, and draws a batch, computes the loss, takes an
-optimizer step and evaluates. training/run.py's start_run sets one up from a TrainConfig (the
+optimizer step and evaluates. run/start.py's start_run sets one up from a TrainConfig (the
 run folder, data, tokenizer, model and processes).
 
 Exact resume is the design constraint that shapes the rest. Everything a step depends on
@@ -24,8 +24,8 @@ from .bits_per_byte import TextBytes, bits_per_byte
 from .generation import generate
 from .model import ModelArgs, Transformer
 from .tokenizers.base import Tokenizer
-from .training.config import TrainConfig
-from .training.distributed import full_state_dicts, gradient_sync, load_full_state_dicts
+from .run.config import TrainConfig
+from .run.distributed import full_state_dicts, gradient_sync, load_full_state_dicts
 
 
 class NonFiniteLoss(ValueError):
@@ -80,11 +80,11 @@ def sample_text(model: Transformer, tokenizer: Tokenizer, prompt: str, max_new_t
 
 class Trainer:
     """One run's model, optimizer and data, and the data sampler's RNG, stepped one optimizer step
-    at a time; training/run.py's start_run builds one from a TrainConfig.
+    at a time; run/start.py's start_run builds one from a TrainConfig.
 
     raw_model is the Transformer (sharded in place under FSDP, blocks compiled in place under
     --compile); model is what a step calls, raw_model or it in DDP, as nanoGPT names them.
-    tokens are the token windows, group the processes (training/distributed.py); folder is the
+    tokens are the token windows, group the processes (run/distributed.py); folder is the
     run folder save() writes to, tokenizer and corpus what the run reads.
     """
 

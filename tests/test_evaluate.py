@@ -14,7 +14,7 @@ from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.evaluate import main
 from llama_mini.formats.convert import convert
 from llama_mini.tokenizers import open_tokenizer
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
 CTX = 64

@@ -154,7 +154,7 @@ def test_unknown_format_is_reported(tmp_path, capsys):
 def test_a_sentencepiece_tokenizer_without_bos_and_eos_is_refused_in_one_line(eos_ckpt, tmp_path, capsys):
     import sentencepiece as spm
 
-    from llama_mini.training import corpus
+    from llama_mini.run import corpus
 
     lines = [line for story in corpus.stories(2000) for line in story.splitlines()]
     spm.SentencePieceTrainer.train(

@@ -22,7 +22,7 @@ from llama2c_files import export  # llama2.c's export.py layout
 import llama_mini
 from llama_mini import ModelArgs, Transformer
 from llama_mini.formats.checkpoint import save_checkpoint
-from llama_mini.training.lock import RunLock
+from llama_mini.run.lock import RunLock
 from llama_mini.tokenizers.spm import train_sentencepiece
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -357,7 +357,7 @@ def test_conversion_into_a_users_folder_is_refused_and_touches_nothing(files, tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
-# --- python -m llama_mini.training.corpus ---------------------------------------------------
+# --- python -m llama_mini.run.corpus ---------------------------------------------------
 
 
 def symlink_to_a_file(path):
@@ -380,7 +380,7 @@ def test_corpus_replaces_nothing_but_a_regular_file(tmp_path, case):
     path = tmp_path / "out.txt"
     make(path)
     before = sorted(p.name for p in tmp_path.iterdir())
-    result = run("llama_mini.training.corpus", path)
+    result = run("llama_mini.run.corpus", path)
     assert_refused(result, f"{path} is {kind}; only a regular file is replaced")
     assert unchanged(path) and sorted(p.name for p in tmp_path.iterdir()) == before
 
@@ -391,19 +391,19 @@ def test_corpus_refuses_a_device_node(tmp_path):
         os.mknod(tmp_path / "null", 0o600 | stat.S_IFCHR, os.makedev(1, 3))
     except PermissionError:
         pytest.skip("creating a device node needs root")
-    assert_refused(run("llama_mini.training.corpus", tmp_path / "null"), f"{tmp_path / 'null'} is a device")
+    assert_refused(run("llama_mini.run.corpus", tmp_path / "null"), f"{tmp_path / 'null'} is a device")
     assert (tmp_path / "null").is_char_device()
 
 
 @pytest.mark.parametrize("flag", ["-h", "--help"])
 def test_corpus_help_prints_usage_and_writes_nothing(tmp_path, flag):
-    result = run("llama_mini.training.corpus", flag, cwd=tmp_path)
-    assert result.returncode == 0 and result.stdout.startswith("usage: python -m llama_mini.training.corpus"), result.stderr
+    result = run("llama_mini.run.corpus", flag, cwd=tmp_path)
+    assert result.returncode == 0 and result.stdout.startswith("usage: python -m llama_mini.run.corpus"), result.stderr
     assert list(tmp_path.iterdir()) == []
 
 
 def test_corpus_into_folders_that_do_not_exist_creates_them(tmp_path):
-    result = run("llama_mini.training.corpus", tmp_path / "new" / "deeper" / "stories.txt")
+    result = run("llama_mini.run.corpus", tmp_path / "new" / "deeper" / "stories.txt")
     assert result.returncode == 0 and result.stderr == "", result.stderr
     assert (tmp_path / "new" / "deeper" / "stories.txt").stat().st_size > 2_000_000
 
@@ -538,8 +538,8 @@ def test_the_corpus_writer_names_its_file_on_a_full_disk_and_refuses_a_folder(tm
     def full_disk():
         resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
 
-    result = run("llama_mini.training.corpus", tmp_path / "stories.txt", preexec_fn=full_disk)
+    result = run("llama_mini.run.corpus", tmp_path / "stories.txt", preexec_fn=full_disk)
     assert_refused(result, f"cannot write {tmp_path / 'stories.txt'}: File too large")
-    folder = run("llama_mini.training.corpus", f"{tmp_path / 'out'}/")
+    folder = run("llama_mini.run.corpus", f"{tmp_path / 'out'}/")
     assert_refused(folder, f"{tmp_path / 'out'}/ is a folder; name the file to write, such as {tmp_path / 'out' / 'stories.txt'}")
     assert sorted(p.name for p in tmp_path.iterdir()) == []

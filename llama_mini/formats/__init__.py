@@ -5,7 +5,7 @@
     python -m llama_mini.formats.convert SRC DST --to native|meta|hf|gguf
 
 One table names the parameters in every layout (names.py); each format has a module of its
-own; files.py reads files trusting nothing in them. GGUF's container is read by
+own; reading.py reads files trusting nothing in them. GGUF's container is read by
 llama_mini/gguf_file.py, outside this package: tokenizers/ reads a GGUF file's vocabulary with
 it, and this package imports tokenizers/.
 """

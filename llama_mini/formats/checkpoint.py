@@ -12,7 +12,7 @@ files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and 
 tensors become the parameters through load_state_dict(assign=True). Pages are read from disk
 when first used, so peak memory is about the size of the files (for a quantized GGUF file,
 the size of its dequantized weights). Nothing a file says is trusted before it is checked
-(files.py, config_check.py).
+(reading.py, config_check.py).
 """
 
 from pathlib import Path
@@ -22,7 +22,7 @@ from .. import quant
 from ..files import atomic_write, is_gguf
 from ..tokenizers import copy_tokenizer
 from . import llama2c
-from .files import is_torch_file
+from .reading import is_torch_file
 from .hf import MAX_SHARD_BYTES, hf_config_from_args, read_hf, write_hf
 from .meta import is_meta, read_meta, write_meta
 from .native import CONFIG, TOKENIZER, is_native, read_latest, read_native, write_native

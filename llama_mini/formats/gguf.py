@@ -13,7 +13,7 @@ with gguf's own quants code. The two directions are one mapping, each fact with 
 - A tied output head is left out; llama.cpp then uses token_embd.
 - The vocabulary is the model's tokenizer in llama.cpp's keys: SentencePiece (tokenizer.ggml.model
   "llama"), Llama-3's tiktoken ranks ("gpt2", pre-tokenizer "llama-bpe"), or another GGUF's
-  vocabulary copied as it is (llama_mini/tokenizers/gguf.py reads them back).
+  vocabulary copied as it is (llama_mini/tokenizers/gguf_vocab.py reads them back).
 
 Types: 1-D tensors (norms, rope_freqs) are F32 in every file, as llama.cpp writes them. q8_0 and
 q4_0 quantize the matrices in blocks of 32 (a matrix whose rows do not split into blocks falls
@@ -34,7 +34,7 @@ from ..files import atomic_write, brief
 from ..gguf_file import GGUFFile, check_llama
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..tokenizers import open_tokenizer
-from ..tokenizers.gguf import GgufLlama3, GgufSentencePiece, copy_vocabulary
+from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
 from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from ..model import ModelArgs, Transformer
 from ..files import atomic_write, brief
 from .config_check import check_fields
-from .files import inside, read_json, read_safetensors, tensor_dict, torch_load
+from .reading import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
 from .state_dict import check_layer_count, check_shape
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .config_check import check_fields, model_args
-from .files import tensor_dict, torch_load
+from .reading import tensor_dict, torch_load
 
 MAGIC = 0x616B3432  # "ak42" as a little-endian uint32
 HEADER = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len")

@@ -13,7 +13,7 @@ import torch
 from ..model import ModelArgs, ffn_hidden_dim
 from .config_check import model_args
 from ..files import atomic_write, torch_save
-from .files import read_json, tensor_dict, torch_load
+from .reading import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
 
 META_PARAMS = "params.json"

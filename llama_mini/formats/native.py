@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from ..quant import read_quantization
 from .config_check import model_args
 from ..files import atomic_write
-from .files import read_json, read_safetensors
+from .reading import read_json, read_safetensors
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
 CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")

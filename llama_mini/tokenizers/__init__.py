@@ -30,7 +30,7 @@ def open_tokenizer(path) -> Tokenizer:
     with open(path, "rb") as f:
         head = f.read(64)
     if is_gguf(path):
-        from .gguf import gguf_tokenizer
+        from .gguf_vocab import gguf_tokenizer
 
         return gguf_tokenizer(path)
     if _TIKTOKEN_LINE.match(head):
@@ -42,7 +42,7 @@ def open_tokenizer(path) -> Tokenizer:
 
         return HfTokenizerJson(path)
     if _looks_like_llama2c(head):
-        from .llama2c import Llama2cTokenizer
+        from .llama2c_vocab import Llama2cTokenizer
 
         return Llama2cTokenizer(path)
     from .spm import SentencePieceTokenizer
@@ -64,7 +64,7 @@ def copy_tokenizer(path, dst) -> None:
     """Copy the tokenizer file at path to dst; of a GGUF model, only its vocabulary (a
     vocabulary-only GGUF file, as llama.cpp's ggml-vocab-*.gguf), not gigabytes of weights."""
     if is_gguf(path):
-        from .gguf import write_vocabulary_file
+        from .gguf_vocab import write_vocabulary_file
 
         write_vocabulary_file(path, dst)
     else:

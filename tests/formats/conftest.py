@@ -3,7 +3,7 @@
 import pytest
 
 from gguf_files import EVAL, ROOT, cli
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 
 
 @pytest.fixture(scope="session")

@@ -8,8 +8,8 @@ import torch
 from gguf_files import EVAL, ROOT, cli
 from llama_mini import generate, load_checkpoint
 from llama_mini.tokenizers import open_tokenizer
-from llama_mini.tokenizers.gguf import GgufSentencePiece
-from llama_mini.training.run_folder import read_metrics
+from llama_mini.tokenizers.gguf_vocab import GgufSentencePiece
+from llama_mini.run.folder import read_metrics
 
 PROMPT = "Once upon a time"
 pytestmark = pytest.mark.slow  # gguf_run (conftest.py) trains a model for 300 steps first

@@ -16,7 +16,7 @@ from llama_mini import ModelArgs, Transformer, generate, load_checkpoint
 from llama_mini.formats.gguf import export_gguf
 from llama_mini.gguf_file import GGUFFile
 from llama_mini.tokenizers import open_tokenizer
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 from fixtures import LLAMA3_TOKENIZER, require
 
 pytest.importorskip("llama_cpp")

@@ -28,7 +28,7 @@ from llama_mini.model import rope_frequencies
 from llama_mini.quant.layers import Int8Linear
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.tokenizers.spm import train_sentencepiece
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

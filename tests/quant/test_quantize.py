@@ -19,7 +19,7 @@ from llama_mini.quant import layers, quantize
 from llama_mini.quant.layers import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantized_activations
 from llama_mini.quant.layout import deinterleave_rows, interleave_rows, pack_int4, pack_int8, unpack_int4
 from llama_mini.tokenizers import open_tokenizer
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 
 import train as train_cli  # the top-level script, called in-process
 

@@ -20,7 +20,7 @@ from fixtures import GGUF_VOCAB, LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require
 from llama_mini.formats.gguf import write_vocabulary
 from llama_mini.gguf_file import GGUFFile
 from llama_mini.tokenizers import copy_tokenizer, open_tokenizer
-from llama_mini.tokenizers.gguf import GgufLlama3, GgufSentencePiece
+from llama_mini.tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece
 
 SPM, BPE = "ggml-vocab-llama-spm.gguf", "ggml-vocab-llama-bpe.gguf"
 SEPARATOR = "\n__ggml_vocab_test__\n"

@@ -12,8 +12,8 @@ import pytest
 import sentencepiece as spm
 from llama2c_files import BYTE_PIECES, export_sentencepiece, write_tokenizer_bin
 
-from llama_mini.training import corpus
-from llama_mini.tokenizers.llama2c import Llama2cTokenizer
+from llama_mini.run import corpus
+from llama_mini.tokenizers.llama2c_vocab import Llama2cTokenizer
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.tokenizers.spm import train_sentencepiece
 from fixtures import LLAMA2_TOKENIZER, require

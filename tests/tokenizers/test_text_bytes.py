@@ -8,7 +8,7 @@ from fixtures import GGUF_VOCAB, LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require
 from llama2c_files import export_sentencepiece
 from llama_mini.tokenizers import long_text, open_tokenizer
 from llama_mini.tokenizers.spm import train_sentencepiece
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 
 TEXTS = [
     "Hello world",

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import sentencepiece as spm
 
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.tokenizers.spm import SentencePieceTokenizer, train_sentencepiece
 from fixtures import LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require

@@ -1,6 +1,6 @@
 """The normalisation ablation: RMSNorm vs LayerNorm (vs none, vs partial RMSNorm), by flag.
 
-    python -m llama_mini.training.ablate --norms rmsnorm,layernorm,none --max-steps 300 --seeds 3 --out checkpoints/ablation
+    python -m llama_mini.ablate --norms rmsnorm,layernorm,none --max-steps 300 --seeds 3 --out checkpoints/ablation
 
 Zhang & Sennrich (2019) claim RMSNorm matches LayerNorm's quality in less time. Here every
 variant trains with the same seeds (so the same initial matrices and the same batches),
@@ -33,13 +33,13 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from ..cli import check_number, run_main
-from ..files import atomic_write, check_new_folder
-from ..model import NORMS
-from ..trainer import NonFiniteLoss, Trainer
-from .run import start_run
-from .config import TrainConfig, add_arguments
-from .plots import Curve, plot_curves
+from .cli import check_number, run_main
+from .files import atomic_write, check_new_folder
+from .model import NORMS
+from .run.config import TrainConfig, add_arguments
+from .run.plots import Curve, plot_curves
+from .run.start import start_run
+from .trainer import NonFiniteLoss, Trainer
 
 # A model a little smaller than train.py's, so that the default ablation (three norms, three
 # seeds: nine runs) fits in a coffee break on a laptop's CPU; docs/ablation.md has the times.

@@ -8,7 +8,7 @@ A small model learns the grammar within minutes and then the habit of reusing a 
 has seen earlier in the story, which is the first sign of in-context learning.
 
 Every story draws its choices from one random.Random seeded by (seed, story index), so the
-corpus is identical on every machine and Python version. `python -m llama_mini.training.corpus
+corpus is identical on every machine and Python version. `python -m llama_mini.run.corpus
 FILE` writes it to a file to read or to edit.
 
 The words and the story templates are data, in stories.json beside this file; this module
@@ -25,7 +25,7 @@ casts the characters and plays the steps. A story is the "beginning" steps, one 
   "toy"                                 a toy and its mishap: {obj} {obj_adj} {what} {fix}
   "newcomer"                            a new child {new}, with pronouns {nhe} {nhis}...
 The choices are drawn in this order, so adding a template or a step changes every story
-after it, and with it the corpus digest pinned in tests/training/test_corpus.py.
+after it, and with it the corpus digest pinned in tests/run/test_corpus.py.
 """
 
 import argparse
@@ -188,12 +188,12 @@ def stories(n_chars: int = 2_200_000, seed: int = 0) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m llama_mini.training.corpus",
+    p = argparse.ArgumentParser(prog="python -m llama_mini.run.corpus",
                                 description="Write the built-in stories (2.2 MB of UTF-8 text) to a file.")
     p.add_argument("out", nargs="?", help="the file to write: a new file, or a regular file to replace")
     out = p.parse_args(argv).out
     if out is None:
-        raise ValueError("pass one argument, the file to write: python -m llama_mini.training.corpus OUT.txt")
+        raise ValueError("pass one argument, the file to write: python -m llama_mini.run.corpus OUT.txt")
     if out.endswith(("/", os.sep)) and not Path(out).is_dir():  # a folder named, not a file (an existing folder: below)
         raise ValueError(f"{out} is a folder; name the file to write, such as {Path(out) / 'stories.txt'}")
     out = Path(out)

@@ -23,7 +23,7 @@ from ..trainer import Trainer, configure_optimizer
 from .config import TrainConfig, finetune_config
 from .data import TokenSplits, load_tokenizer, open_corpus, tokenize
 from .distributed import ProcessGroup, load_full_state_dicts, wrap_model
-from .run_folder import RunFolder
+from .folder import RunFolder
 
 
 def start_run(cfg: TrainConfig) -> Trainer:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from llama_mini.tokenizers import long_text
-from llama_mini.training import corpus, data
+from llama_mini.run import corpus, data
 from llama_mini.tokenizers.spm import train_sentencepiece
 
 

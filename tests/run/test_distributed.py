@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from llama_mini.training import corpus
-from llama_mini.training.run_folder import read_metrics
+from llama_mini.run import corpus
+from llama_mini.run.folder import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built in"),

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
-from llama_mini.training import corpus
-from llama_mini.training.ablate import Run, main, summarize, table, time_to_reach
+from llama_mini.run import corpus
+from llama_mini.ablate import Run, main, summarize, table, time_to_reach
 from llama_mini.trainer import NonFiniteLoss, Trainer
-from llama_mini.training.run import start_run
-from llama_mini.training.config import TrainConfig
+from llama_mini.run.start import start_run
+from llama_mini.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)

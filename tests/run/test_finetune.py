@@ -13,12 +13,12 @@ import torch
 from safetensors.torch import load_file
 
 import llama_mini
-from llama_mini.training import corpus
+from llama_mini.run import corpus
 from llama_mini.formats.checkpoint import save_checkpoint
-from llama_mini.training.run_folder import read_metrics
+from llama_mini.run.folder import read_metrics
 from llama_mini.tokenizers.spm import train_sentencepiece
-from llama_mini.training.run import start_run
-from llama_mini.training.config import TrainConfig
+from llama_mini.run.start import start_run
+from llama_mini.run.config import TrainConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llama_mini.training import corpus
-from llama_mini.training.data import open_corpus
+from llama_mini.run import corpus
+from llama_mini.run.data import open_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS_SHA256 = "1758ac0a4add0e71744523c5950837cd397f2b94f330e8a92ec1fed053df51a2"  # 2674 stories
@@ -49,14 +49,14 @@ def test_stories_of_each_seed_are_the_known_text(seed):
 def test_command_writes_the_known_corpus_file_from_any_folder(tmp_path):
     out = tmp_path / "stories.txt"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, "-m", "llama_mini.training.corpus", str(out)], cwd=tmp_path, env=env, check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "llama_mini.run.corpus", str(out)], cwd=tmp_path, env=env, check=True, timeout=300)
     assert hashlib.sha256(out.read_bytes()).hexdigest() == CORPUS_FILE_SHA256
 
 
 def test_command_without_a_file_says_how_to_call_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "llama_mini.training.corpus"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "llama_mini.run.corpus"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: pass one argument, the file to write") and proc.stderr.count("\n") == 1
