@@ -42,7 +42,7 @@ RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
 # Settings a resumed run must share with its checkpoint: they fix the model and the data it
 # sees (and under --fsdp, the optimizer state is keyed by parameter name, not position).
 RESUME_MUST_MATCH = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "norm", "norm_p", "tie_embeddings",
+    "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "norm", "norm_p", "tie_embeddings",
     "vocab_size", "tokenizer", "seq_len", "val_fraction", "fsdp",
 )
 

@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]  # one_th
 
 # What the source run and the fine-tuning runs share: the same evaluation windows.
 EVAL = ["--seq-len", 32, "--batch-size", 4, "--eval-iters", 2, "--sample-tokens", 0, "--device", "cpu"]
-SOURCE_SHAPE = ["--dim", 32, "--n-layers", 2, "--n-heads", 2, "--n-kv-heads", 1, "--vocab-size", 400]
+SOURCE_SHAPE = ["--dim", 32, "--n-layers", 2, "--n-heads", 2, "--n-kv-heads", 1, "--multiple-of", 32, "--vocab-size", 400]
 
 
 def cli(*args) -> subprocess.CompletedProcess:
@@ -75,7 +75,9 @@ def test_fine_tuning_starts_exactly_where_the_source_run_ended(source, finetuned
 def test_fine_tuned_run_takes_the_checkpoints_shape_and_tokenizer(source, finetuned):
     ours = json.loads((finetuned / "step-000004" / "config.json").read_text())["llama_mini"]
     theirs = json.loads((source["run"] / "step-000020" / "config.json").read_text())["llama_mini"]
-    assert ours == theirs and (ours["dim"], ours["n_layers"], ours["n_kv_heads"]) == (32, 2, 1)
+    assert ours == theirs and (ours["dim"], ours["n_layers"], ours["n_kv_heads"], ours["multiple_of"]) == (32, 2, 1, 32)
+    w1 = llama_mini.load_checkpoint(finetuned / "step-000004").layers[0].feed_forward.w1.weight
+    assert w1.shape == (96, 32)  # 2/3 of 4 * 32, rounded up to a multiple of 32 (256 by default)
     assert (finetuned / "tokenizer.model").read_bytes() == (source["run"] / "tokenizer.model").read_bytes()
 
 
@@ -120,6 +122,7 @@ def test_fine_tuned_run_generates_and_converts(finetuned, tmp_path):
         (["--dim", 48], "--dim 48 (it has 32); leave those flags out"),
         (["--n-layers", 3], "--n-layers 3 (it has 2); leave those flags out"),
         (["--n-heads", 4, "--n-kv-heads", 2], "--n-heads 4 (it has 2), --n-kv-heads 2 (it has 1); leave those flags out"),
+        (["--multiple-of", 256], "--multiple-of 256 (it has 32); leave those flags out"),
         (["--vocab-size", 500], "--vocab-size 500 (it has 400); leave those flags out"),
         (["--norm", "layernorm"], "--norm layernorm (it has rmsnorm); leave those flags out"),
         (["--no-tie-embeddings"], "--tie-embeddings False (it has True); leave those flags out"),
