@@ -18,6 +18,7 @@ from llama_mini.cli import check_context, check_number, flag, run_main, utf8_tex
 from llama_mini.generation import SEED_LIMIT, TEMPERATURE, TOP_P, check_sampling_args, generate_stream, stream_text
 from llama_mini.inference import add_model_arguments, load_model, open_checkpoint
 from llama_mini.memory import check_fits, kv_cache_bytes
+from llama_mini.model import check_fits_context
 
 # Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
 # tokenizer's longest): a prompt file or a chat message longer than this cannot fit any context.
@@ -74,13 +75,10 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
     A continuation is spaced as the prompt's continuation ("Once upon a" + " time"); a chat
     answer (continues_prompt=False) as text of its own, as Meta's chat_completion decodes it.
     """
-    context = model.args.max_seq_len
-    if len(prompt_ids) >= context:
-        raise ValueError(
-            f"the prompt is {len(prompt_ids)} tokens but the context is {context} tokens; "
-            "shorten it (or raise --max-seq-len)"
-        )
-    max_new = min(args.max_new_tokens, context - len(prompt_ids))
+    # At least one new token must fit; then as many of --max-new-tokens as the context holds.
+    room = check_fits_context(model.args, len(prompt_ids) + 1, f"the prompt of {len(prompt_ids)} tokens + 1 new token",
+                              "shorten the prompt (or raise --max-seq-len)")
+    max_new = min(args.max_new_tokens, 1 + room)
     steps = generate_stream(
         model, [prompt_ids], max_new, args.temperature, args.top_p, args.top_k or None, tokenizer.stop_ids, seed
     )

@@ -2,9 +2,9 @@
 
 Fine-tune a checkpoint on your text with `--init-from CKPT`. This file is the loop: step,
 evaluate, log, save. The step is llama_mini/trainer.py, the model llama_mini/model.py, and a
-run's machinery (flags, data, run folder, resume, processes) llama_mini/run/. Runs on one
-device as is, and on K processes (DDP, or FSDP2 with --fsdp) under
-`torchrun --nproc_per_node=K train.py ...`.
+run's machinery (flags, data, run folder, evaluation, checkpoints, resume, processes)
+llama_mini/run/. Runs on one device as is, and on K processes (DDP, or FSDP2 with --fsdp)
+under `torchrun --nproc_per_node=K train.py ...`.
 """
 
 import argparse
@@ -24,11 +24,12 @@ from tqdm import tqdm  # noqa: E402
 from llama_mini.cli import run_main  # noqa: E402
 from llama_mini.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
-from llama_mini.trainer import lr_at, sample_text  # noqa: E402
+from llama_mini.trainer import NonFiniteLoss  # noqa: E402
 from llama_mini.run.config import TrainConfig, add_arguments  # noqa: E402
 from llama_mini.run.start import start_run  # noqa: E402
 from llama_mini.run.folder import METRICS, MetricsLog, report_losses  # noqa: E402
 from llama_mini.run.signals import GracefulStop  # noqa: E402
+from llama_mini.run.training_run import sample_text  # noqa: E402
 
 
 def train(cfg: TrainConfig) -> Path:
@@ -38,44 +39,47 @@ def train(cfg: TrainConfig) -> Path:
     KeyboardInterrupt; a non-finite loss raises NonFiniteLoss (a ValueError) and leaves the last
     checkpoint as it was.
     """
-    trainer = start_run(cfg)  # the run folder (checked, then locked), data, model, optimizer; resumed if asked
-    cfg, main, folder = trainer.cfg, trainer.group.is_main, trainer.folder
-    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * trainer.group.world_size
+    run = start_run(cfg)  # the run folder (checked, then locked), data, model, optimizer; resumed if asked
+    cfg, trainer, main, folder = run.cfg, run.trainer, run.group.is_main, run.folder
+    tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * run.group.world_size
     log, finished = None, False
     # A progress bar on a terminal only (disable=None): in a log file its redraws are noise.
     bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
     try:
         if main:
             log = MetricsLog(folder.path / METRICS, trainer.step)
-            print(trainer.describe())
-            if trainer.bf16 and (notice := bfloat16_notice(trainer.device, torch.bfloat16, "--dtype")):
+            print(run.describe())
+            if trainer.bf16 and (notice := bfloat16_notice(run.device, torch.bfloat16, "--dtype")):
                 print(notice)
         with GracefulStop() as stop:
             if trainer.step == 0:
-                first = trainer.evaluate()
+                first = run.evaluate()
                 if main:
                     log.write({"step": 0, "time": 0.0, **first})
             tick = time.perf_counter()
             while trainer.step < cfg.max_steps:
-                loss = trainer.train_step()
+                try:
+                    loss = trainer.train_step()
+                except NonFiniteLoss as e:
+                    raise NonFiniteLoss(f"{e}, and {run.how_to_go_on()}") from None
                 dt = time.perf_counter() - tick
-                trainer.elapsed += dt
-                lr = lr_at(trainer.step - 1, cfg)
-                record = {"step": trainer.step, "time": round(trainer.elapsed, 3), "train_loss": loss, "lr": lr,
+                run.elapsed += dt
+                record = {"step": trainer.step, "time": round(run.elapsed, 3), "train_loss": loss, "lr": trainer.lr,
                           "grad_norm": trainer.grad_norm, "tokens_per_s": round(tokens_per_step / dt, 1)}
-                bar.set_postfix(dict(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"), refresh=False)
+                bar.set_postfix(dict(loss=f"{loss:.3f}", lr=f"{trainer.lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"),
+                                refresh=False)
                 bar.update()
                 done = trainer.step == cfg.max_steps
                 if trainer.step % cfg.eval_every == 0 or done:
-                    record.update(trainer.evaluate())
+                    record.update(run.evaluate())
                     if main:
                         bar.write(f"step {trainer.step}: val loss {record['val_loss']:.4f} nats/token, "
                                   f"{record['val_bpb']:.4f} bits/byte, perplexity {record['val_ppl']:.2f}")
                 if main:
                     log.write(record)
-                stopping = trainer.group.any(stop.requested, trainer.device)
+                stopping = run.group.any(stop.requested, run.device)
                 if trainer.step % cfg.save_every == 0 or done or stopping:
-                    trainer.save()
+                    run.save()
                 if stopping:
                     raise KeyboardInterrupt
                 tick = time.perf_counter()  # evaluation and saving are not training time
@@ -94,12 +98,12 @@ def train(cfg: TrainConfig) -> Path:
         bar.close()
         if log:
             log.close()
-        trainer.close(wait_for_all=finished)
+        run.close(wait_for_all=finished)
     if main:
         report_losses(folder.path)
     if main and cfg.sample_tokens:
-        model = load_checkpoint(folder.latest).to(trainer.device)  # the saved model, as a user would load it
-        text = sample_text(model, trainer.tokenizer, cfg.prompt, cfg.sample_tokens, seed=cfg.seed)
+        model = load_checkpoint(folder.latest).to(run.device)  # the saved model, as a user would load it
+        text = sample_text(model, run.tokenizer, cfg.prompt, cfg.sample_tokens, seed=cfg.seed)
         print(f"\nsample from {folder.latest}:\n{text}\n")
     return folder.path
 

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from llama_mini.device import pick_device  # noqa: E402
 from llama_mini.trainer import flops_per_token  # noqa: E402
-from llama_mini.run.start import start_run  # noqa: E402
+from llama_mini.run.start import start_run, trains_in_bf16  # noqa: E402
 from llama_mini.run.config import TrainConfig  # noqa: E402
 
 # (name, dim, n_layers, n_heads, seq_len, batch_size)
@@ -58,21 +58,21 @@ def matmul_peak(device, dtype, repeats=5) -> float:
 def measure(cfg: TrainConfig, rounds: int, steps: int, peak_dtype):
     """Rounds of (steps training steps, then a matmul peak), so each round's MFU compares two
     timings taken under the same load from other processes; medians over rounds."""
-    trainer = start_run(cfg)
+    run = start_run(cfg)
     for _ in range(3 if not cfg.compile else 5):  # first steps allocate, and compile under --compile
-        trainer.train_step()
-    flops_per_tok = flops_per_token(trainer.args, cfg.seq_len)
+        run.trainer.train_step()
+    flops_per_tok = flops_per_token(run.args, cfg.seq_len)
     tok_s, peak, mfu = [], [], []
     for _ in range(rounds):
-        synchronize(trainer.device)
+        synchronize(run.device)
         start = time.perf_counter()
         for _ in range(steps):
-            trainer.train_step()
-        synchronize(trainer.device)
+            run.trainer.train_step()
+        synchronize(run.device)
         tok_s.append(cfg.batch_size * cfg.seq_len * steps / (time.perf_counter() - start))
-        peak.append(matmul_peak(trainer.device, peak_dtype))
+        peak.append(matmul_peak(run.device, peak_dtype))
         mfu.append(flops_per_tok * tok_s[-1] / peak[-1])
-    return trainer, statistics.median(tok_s), statistics.median(peak), statistics.median(mfu)
+    return run, statistics.median(tok_s), statistics.median(peak), statistics.median(mfu)
 
 
 def main():
@@ -85,7 +85,7 @@ def main():
     args = p.parse_args()
     device = pick_device(args.device, 0)
     sizes = SIZES["cpu" if device.type == "cpu" else "gpu"]
-    bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+    bf16 = trains_in_bf16(TrainConfig(dtype=args.dtype), device)
     peak_dtype = torch.bfloat16 if bf16 else torch.float32
     print(f"device {device} ({'bfloat16 autocast' if bf16 else 'float32'}), {torch.get_num_threads()} CPU threads")
     header = ("size", "params", "dim", "layers", "seq", "batch", "tokens/s", "TFLOP/s", "peak", "MFU")
@@ -97,9 +97,9 @@ def main():
                 device=str(device), dtype=args.dtype, compile=args.compile,
                 out=f"{tmp}/{name}", cache_dir=f"{tmp}/cache",
             )
-            trainer, tok_s, peak, mfu = measure(cfg, args.rounds, args.steps, peak_dtype)
-            flops = flops_per_token(trainer.args, seq_len) * tok_s
-            print(f"{name:>6} {trainer.n_params / 1e6:>7.1f}M {dim:>5} {n_layers:>6} {seq_len:>5} {batch_size:>5} "
+            run, tok_s, peak, mfu = measure(cfg, args.rounds, args.steps, peak_dtype)
+            flops = flops_per_token(run.args, seq_len) * tok_s
+            print(f"{name:>6} {run.n_params / 1e6:>7.1f}M {dim:>5} {n_layers:>6} {seq_len:>5} {batch_size:>5} "
                   f"{tok_s:>10,.0f} {flops / 1e12:>8.3f} {peak / 1e12:>8.3f} {mfu:>6.1%}")
 
 

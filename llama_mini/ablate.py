@@ -39,7 +39,8 @@ from .model import NORMS
 from .run.config import TrainConfig, add_arguments
 from .run.plots import Curve, plot_curves
 from .run.start import start_run
-from .trainer import NonFiniteLoss, Trainer
+from .run.training_run import TrainingRun
+from .trainer import NonFiniteLoss
 
 # A model a little smaller than train.py's, so that the default ablation (three norms, three
 # seeds: nine runs) fits in a coffee break on a laptop's CPU; docs/ablation.md has the times.
@@ -52,7 +53,7 @@ class Run:
 
     norm: str
     seed: int
-    trainer: Trainer
+    training: TrainingRun
     seconds: float = 0.0  # this run's own training time, evaluation excluded
     steps: list = field(default_factory=list)  # {"step", "time", "train_loss"[, "val_loss", "val_bpb"]}
     diverged_at: Optional[int] = None
@@ -65,17 +66,18 @@ class Run:
         """Add the validation loss to the latest step's record (a step-0 record at first)."""
         if not self.steps:
             self.steps.append({"step": 0, "time": 0.0})
-        self.steps[-1].update(self.trainer.evaluate())
+        self.steps[-1].update(self.training.evaluate())
 
     def step(self) -> None:
+        trainer = self.training.trainer
         start = time.perf_counter()
         try:
-            loss = self.trainer.train_step()
+            loss = trainer.train_step()
         except NonFiniteLoss:
-            self.diverged_at = self.trainer.step + 1
+            self.diverged_at = trainer.step + 1
             return
         self.seconds += time.perf_counter() - start
-        self.steps.append({"step": self.trainer.step, "time": self.seconds, "train_loss": loss})
+        self.steps.append({"step": trainer.step, "time": self.seconds, "train_loss": loss})
 
 
 def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Optional[float] = None) -> Path:
@@ -94,10 +96,10 @@ def ablate(norms: list, seeds: int, cfg: TrainConfig, out: Path, target_loss: Op
             run_cfg = dataclasses.replace(cfg, norm=norm, seed=cfg.seed + k, out=str(out / "runs" / f"{norm}-seed{cfg.seed + k}"))
             built[norm, k] = Run(norm, run_cfg.seed, start_run(run_cfg))
     runs = [built[norm, k] for norm in norms for k in range(seeds)]
-    trainer = runs[0].trainer
+    first = runs[0].training
     print(
         f"{len(norms)} norms x {seeds} seeds, {cfg.max_steps} steps each: dim {cfg.dim}, {cfg.n_layers} layers, "
-        f"batch {cfg.batch_size} x {cfg.seq_len} tokens, {trainer.device}, data {trainer.corpus.name}"
+        f"batch {cfg.batch_size} x {cfg.seq_len} tokens, {first.device}, data {first.corpus.name}"
     )
     for run in runs:
         run.evaluate()
@@ -172,7 +174,7 @@ def summarize(runs: list, norms: list, tokens_per_step: int, target_loss: Option
             "reached": len(reached),
             "runs": len(mine),
             "diverged": [r.diverged_at for r in mine if r.diverged_at is not None],
-            "params": mine[0].trainer.n_params,
+            "params": mine[0].training.n_params,
         })
     return rows
 

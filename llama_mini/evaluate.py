@@ -24,6 +24,7 @@ from tqdm import tqdm
 from .bits_per_byte import TextBytes, bits_per_byte
 from .cli import check_number, run_main
 from .inference import add_model_arguments, load_model, open_checkpoint
+from .model import check_fits_context
 from .tokenizers.long_text import encode_long
 from .run.data import check_utf8
 
@@ -111,10 +112,9 @@ def evaluate(args) -> Tally:
     check_utf8(path, hashlib.sha256())  # the whole file before any work: a bad byte is named, not met halfway
     ckpt, fmt, tokenizer = open_checkpoint(args)
     model = load_model(args, ckpt, fmt, tokenizer)
-    context = model.args.max_seq_len
-    if args.ctx is not None and args.ctx > context:
-        raise ValueError(f"--ctx {args.ctx} is longer than the model's context ({context} tokens); pass --ctx {context} or less")
-    args.ctx = args.ctx or min(DEFAULT_CTX, context)
+    if args.ctx is not None:
+        check_fits_context(model.args, args.ctx, f"--ctx {args.ctx}", "pass --ctx {context} or less")
+    args.ctx = args.ctx or min(DEFAULT_CTX, model.args.max_seq_len)
     model.eval()
     text_bytes, tally = TextBytes(tokenizer), Tally()
     print(f"scoring {path} in chunks of {args.ctx} tokens, the second half of each (llama.cpp's method)", file=sys.stderr)

@@ -7,13 +7,13 @@ whose prompt is longer keeps feeding its own prompt tokens until they run out (M
 input_text_mask), so all rows share one cache and none sees padding.
 """
 
+import math
 import operator
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
 
-from .cli import check_number
-from .model import Transformer
+from .model import Transformer, check_fits_context
 
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 TEMPERATURE, TOP_P = 0.6, 0.9  # the defaults of Meta's example scripts
@@ -21,12 +21,18 @@ TEMPERATURE, TOP_P = 0.6, 0.9  # the defaults of Meta's example scripts
 
 def check_sampling_args(temperature: float, top_p: float, top_k: Optional[int], seed: Optional[int] = None,
                         name=lambda argument: argument) -> None:
-    """Refuse sampling settings that mean nothing (NaN included), with the valid range in the
-    message; name(argument) is what the message calls each (generate.py: its flags)."""
-    check_number(name("temperature"), temperature, 0, note=" (0 is greedy)")
-    check_number(name("top_p"), top_p, 0, 1, low_open=True, note=" (1 keeps every token)")
-    check_number(name("top_k"), top_k, 0, note=" (0 keeps every token)")
-    check_number(name("seed"), seed, 0, SEED_LIMIT, high_open=True)
+    """Refuse sampling settings that mean nothing (NaN and infinities included), with the valid
+    range in the message; name(argument) is what the message calls each (generate.py: its flags).
+    None (top_k, seed: unset) passes."""
+    for argument, value, fits, valid in (
+        ("temperature", temperature, lambda t: 0 <= t < math.inf, ">= 0 (0 is greedy)"),
+        ("top_p", top_p, lambda p: 0 < p <= 1, "in (0, 1] (1 keeps every token)"),
+        ("top_k", top_k, lambda k: k >= 0, ">= 0 (0 keeps every token)"),
+        ("seed", seed, lambda s: 0 <= s < SEED_LIMIT, "in [0, 2**64)"),
+    ):
+        if value is not None and not fits(value):
+            finite = "" if isinstance(value, int) or math.isfinite(value) else "a finite number "
+            raise ValueError(f"{name(argument)} must be {finite}{valid}, got {value}")
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,12 +110,9 @@ def generate_stream(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not prompt_tokens or any(len(p) == 0 for p in prompt_tokens):
         raise ValueError("every prompt needs at least one token (e.g. BOS)")
-    longest, context = max(len(p) for p in prompt_tokens), model.args.max_seq_len
-    if longest + max_new_tokens > context:
-        raise ValueError(
-            f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the context of "
-            f"{context} tokens; shorten the prompt or lower max_new_tokens"
-        )
+    longest = max(len(p) for p in prompt_tokens)
+    check_fits_context(model.args, longest + max_new_tokens, f"a prompt of {longest} tokens + {max_new_tokens} new tokens",
+                       "shorten the prompt or lower max_new_tokens")
     generator = torch.Generator(device=model.tok_embeddings.weight.device)
     if seed is None:
         generator.seed()

@@ -85,6 +85,19 @@ class ModelArgs:
         return self.hidden_dim or ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
 
+def check_fits_context(args: ModelArgs, positions: int, what: str = "a sequence of {positions} tokens",
+                       fix: str = "pass at most {context} tokens (or give the model a larger max_seq_len)") -> int:
+    """The one check that a sequence fits the model's context, for the forward pass and for
+    every caller that can say better what the positions are (a prompt and its new tokens, --ctx)
+    and how to fix it (in its own arguments or flags). Returns the positions left after them;
+    refuses more than max_seq_len in one line, {positions} and {context} filled in."""
+    context = args.max_seq_len
+    if positions > context:
+        message = what + " exceeds max_seq_len {context}, the model's context; " + fix
+        raise ValueError(message.format(positions=positions, context=context))
+    return context - positions
+
+
 # --- Normalisation -----------------------------------------------------------------------
 
 
@@ -349,8 +362,7 @@ class Transformer(nn.Module):
         without the output matmul over a whole prompt.
         """
         B, T = tokens.shape
-        if start_pos + T > self.args.max_seq_len:
-            raise ValueError(f"sequence of {start_pos + T} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        check_fits_context(self.args, start_pos + T)
         if start_pos > 0 and self.layers[0].attention.cache is None:
             raise RuntimeError("call model.setup_cache(batch_size) before decoding with start_pos > 0")
         cos, sin = rope_cos_sin(self.args, start_pos, T, tokens.device)

@@ -67,13 +67,13 @@ def test_train_py_norm_flags_reach_the_model_and_its_checkpoint(tmp_path, data):
 
 
 def test_variants_start_from_the_same_matrices_and_see_the_same_batches(tmp_path, data):
-    trainers = [start_run(TrainConfig(**TINY, **data, norm=n, out=str(tmp_path / n), device="cpu")) for n in ("rmsnorm", "layernorm")]
-    states = [t.model.state_dict() for t in trainers]
+    runs = [start_run(TrainConfig(**TINY, **data, norm=n, out=str(tmp_path / n), device="cpu")) for n in ("rmsnorm", "layernorm")]
+    states = [run.raw_model.state_dict() for run in runs]
     matrices = [k for k, v in states[0].items() if v.dim() >= 2]
     assert matrices and all(torch.equal(states[0][k], states[1][k]) for k in matrices)
     for _ in range(3):
-        x0, y0 = trainers[0].batch()
-        x1, y1 = trainers[1].batch()
+        x0, y0 = next(runs[0].trainer.batches)
+        x1, y1 = next(runs[1].trainer.batches)
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
 
 
@@ -82,7 +82,7 @@ def test_runs_step_in_a_fresh_order_each_round_which_changes_no_number(tmp_path,
     order, real_step = [], Trainer.train_step
 
     def recording_step(self):
-        order.append(self.cfg.norm)
+        order.append(self.model.args.norm)
         return real_step(self)
 
     def train_losses(out, norm):
@@ -105,8 +105,6 @@ def test_runs_step_in_a_fresh_order_each_round_which_changes_no_number(tmp_path,
 class FakeTrainer:
     """Stands in for Trainer where only the bookkeeping is under test."""
 
-    n_params = 1000
-
     def __init__(self, losses=(), diverge_at=None):
         self.losses, self.diverge_at, self.step = list(losses), diverge_at, 0
 
@@ -117,9 +115,18 @@ class FakeTrainer:
         return self.losses[self.step - 1]
 
 
+class FakeTraining:
+    """Stands in for a TrainingRun: its Trainer and its size."""
+
+    n_params = 1000
+
+    def __init__(self, losses=(), diverge_at=None):
+        self.trainer = FakeTrainer(losses, diverge_at)
+
+
 def run_with_evals(norm, seed, evals):
     """A Run whose evaluations were (step, seconds, val_loss); its bits per byte are half its nats per token."""
-    run = Run(norm, seed, FakeTrainer())
+    run = Run(norm, seed, FakeTraining())
     run.steps = [{"step": s, "time": t, "val_loss": v, "val_bpb": v / 2} for s, t, v in evals]
     run.seconds = evals[-1][1]
     return run
@@ -149,7 +156,7 @@ def test_summary_is_mean_and_sd_over_seeds_with_layernorm_plus_2_percent_as_targ
 
 
 def test_diverged_run_stops_and_is_reported():
-    run = Run("none", 0, FakeTrainer(losses=[5.0, 4.0, 9.0], diverge_at=3))
+    run = Run("none", 0, FakeTraining(losses=[5.0, 4.0, 9.0], diverge_at=3))
     run.steps = [{"step": 0, "time": 0.0, "val_loss": 7.0}]
     for _ in range(3):
         run.step()

@@ -113,7 +113,7 @@ def test_chunks_limits_the_chunks_scored(files, capsys):
     ("folder", ["is not a file", "pass --data a UTF-8 text file"]),
     ("latin1", ["not UTF-8", "0xe9", "offset 4"]),
     ("short", ["fewer than --ctx 64 tokens"]),
-    ("ctx", ["--ctx 4096 is longer than the model's context (128 tokens)"]),
+    ("ctx", ["--ctx 4096 exceeds max_seq_len 128, the model's context; pass --ctx 128 or less"]),
     ("zero_ctx", ["--ctx"]),
 ])
 def test_bad_input_is_refused_in_one_line(files, tmp_path, case, words):

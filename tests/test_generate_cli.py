@@ -127,7 +127,8 @@ def test_missing_checkpoint_is_named(tmp_path, capsys):
 
 
 def test_prompt_longer_than_context_gives_length_and_limit(ckpt):
-    assert_clean_error(run("--ckpt", ckpt, "--prompt", " ".join(["word"] * 80), "--max-new-tokens", 4), "81 tokens", "context is 64 tokens")
+    assert_clean_error(run("--ckpt", ckpt, "--prompt", " ".join(["word"] * 80), "--max-new-tokens", 4), "prompt of 81 tokens", "exceeds max_seq_len 64, the model's context",
+                       "shorten the prompt (or raise --max-seq-len)")
 
 
 def test_tokenizer_of_another_vocabulary_is_refused(tmp_path):

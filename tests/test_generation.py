@@ -183,7 +183,8 @@ def test_nan_weights_are_reported_not_sampled():
 
 
 def test_prompt_longer_than_context_is_refused_with_both_numbers():
-    with pytest.raises(ValueError, match="prompt of 90 tokens \\+ 10 new tokens exceeds the context of 96 tokens"):
+    with pytest.raises(ValueError, match="prompt of 90 tokens \\+ 10 new tokens exceeds max_seq_len 96, the model's context; "
+                                         "shorten the prompt or lower max_new_tokens"):
         generate(tiny_model(), [[1] * 90], 10)
 
 

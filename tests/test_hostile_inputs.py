@@ -264,7 +264,7 @@ def test_bad_sampling_argument_is_refused_before_loading(tmp_path, flag, value, 
 
 def test_prompt_longer_than_the_context_is_refused(files):
     result = run("generate.py", "--ckpt", files / "native", "--prompt", "Tom had a red ball. " * 40)
-    assert_refused(result, "but the context is 64 tokens")
+    assert_refused(result, "+ 1 new token exceeds max_seq_len 64, the model's context; shorten the prompt")
 
 
 def address_space(gib):

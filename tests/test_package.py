@@ -1,10 +1,16 @@
-"""The package's shape: a core that stands alone, layers that reach it from outside, no cycles."""
+"""The package's shape: a core that stands alone, layers that reach it from outside, no cycles;
+and what runs where: a training step and a decoding step each run the few files they name."""
 
 import ast
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from llama_mini.run import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "llama_mini"
@@ -66,10 +72,105 @@ def test_no_module_of_the_package_imports_another_in_a_cycle():
             visit(name, [name])
 
 
-def test_the_core_imports_no_kernel_format_or_quantization():
+def test_the_core_imports_only_the_core_and_torch():
+    core = {module_name(PACKAGE / name) for name in CORE}
     for name in CORE:
-        layers = {m for m in imported_modules(PACKAGE / name) if m.split(".")[1] in ("kernels", "formats", "quant")}
-        assert not layers, f"{name} imports {sorted(layers)}"
+        tree = ast.parse((PACKAGE / name).read_text())
+        roots = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        roots |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+        assert roots - set(sys.stdlib_module_names) <= {"torch"}, name
+        assert imported_modules(PACKAGE / name) <= core, f"{name} imports {sorted(imported_modules(PACKAGE / name) - core)}"
+
+
+@pytest.mark.parametrize("module, loaded", [
+    ("llama_mini.trainer", ["llama_mini", "llama_mini.model", "llama_mini.trainer"]),
+    ("llama_mini.generation", ["llama_mini", "llama_mini.generation", "llama_mini.model"]),
+])
+def test_importing_a_core_module_loads_the_core_it_needs_and_nothing_else(module, loaded):
+    code = f"import sys, {module}; print(sorted(m for m in sys.modules if m.startswith('llama_mini')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(loaded)]
+
+
+# Runs in a child process, with the repository's root as its first argument: files_run(call)
+# calls call() and returns the repository files whose Python code ran meanwhile, in any thread.
+FILES_RUN = """
+import json, sys, threading
+from pathlib import Path
+
+ROOT = Path(sys.argv[1])
+
+def files_run(call):
+    seen = set()
+    def record(frame, event, arg):
+        path = Path(frame.f_code.co_filename)
+        if event == "call" and ROOT in path.parents:
+            seen.add(path.relative_to(ROOT).as_posix())
+    threading.setprofile(record)
+    sys.setprofile(record)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return sorted(seen)
+"""
+
+
+def files_run_in_a_child(code: str, *args) -> dict:
+    """The JSON that FILES_RUN + code prints, run in a fresh process (nothing loaded or warmed up yet)."""
+    result = subprocess.run([sys.executable, "-c", FILES_RUN + code, str(ROOT), *map(str, args)], capture_output=True,
+                            text=True, cwd=ROOT, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_a_training_step_runs_the_trainer_the_model_the_fused_norm_and_the_data_only(tmp_path):
+    """The first and the second optimizer step of a real run, set up as train.py sets it up
+    (the fused RMSNorm where it builds, one process), run Python code in four files at most."""
+    (tmp_path / "text.txt").write_text("\n\n".join(corpus.stories(30_000, seed=5)), encoding="utf-8")
+    code = (
+        "from llama_mini.run.config import TrainConfig\n"
+        "from llama_mini.run.start import start_run\n"
+        "tmp = Path(sys.argv[2])\n"
+        "run = start_run(TrainConfig(data=str(tmp / 'text.txt'), cache_dir=str(tmp / 'cache'), out=str(tmp / 'run'),\n"
+        "                            device='cpu', dim=32, n_layers=1, n_heads=2, vocab_size=400, seq_len=16, batch_size=2))\n"
+        "steps = [files_run(run.trainer.train_step) for _ in range(2)]\n"
+        "print(json.dumps({'norm': type(run.raw_model.norm).__name__, 'steps': steps}))\n"
+    )
+    found = files_run_in_a_child(code, tmp_path)
+    expected = {"llama_mini/trainer.py", "llama_mini/model.py", "llama_mini/run/data.py"}
+    if found["norm"] == "FusedRMSNorm":  # where the kernel builds, as train.py applies it
+        expected.add("llama_mini/kernels/fused_rmsnorm.py")
+    for step in found["steps"]:
+        assert set(step) == expected
+
+
+def test_a_decoding_step_runs_generation_and_the_model_only_and_matvec_where_applied():
+    code = (
+        "import torch\n"
+        "from llama_mini.generation import generate_stream\n"
+        "from llama_mini.model import ModelArgs, Transformer\n"
+        "model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=96, multiple_of=32,\n"
+        "                              max_seq_len=64)).eval()\n"
+        "def decoding_step():\n"
+        "    steps = generate_stream(model, [[1, 2, 3]], 4, seed=0)\n"
+        "    next(steps)  # the prompt, read into the KV cache\n"
+        "    files = files_run(lambda: next(steps))\n"
+        "    steps.close()\n"
+        "    return files\n"
+        "found = {'plain': decoding_step()}\n"
+        "from llama_mini.kernels import matvec\n"
+        "if matvec.operators() is not None:\n"
+        "    matvec.use_matvec(model)\n"
+        "    found['matvec'] = decoding_step()\n"
+        "print(json.dumps(found))\n"
+    )
+    found = files_run_in_a_child(code)
+    assert found["plain"] == ["llama_mini/generation.py", "llama_mini/model.py"]
+    if "matvec" in found:  # where the kernels build (x86-64 with AVX2 and FMA)
+        assert found["matvec"] == ["llama_mini/generation.py", "llama_mini/kernels/matvec.py", "llama_mini/model.py"]
 
 
 def test_a_model_is_built_and_trained_with_model_py_alone_loading_and_compiling_nothing(tmp_path):

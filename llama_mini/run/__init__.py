@@ -2,6 +2,7 @@
 
 config.py        TrainConfig: every flag, described once
 start.py         a run set up from its TrainConfig: new, resumed or fine-tuning
+training_run.py  the run around its Trainer: evaluation, samples, checkpoints and exact resume
 data.py          text in, token windows out (corpus.py: the built-in stories)
 folder.py        the run's folder: checkpoints, resume, pruning, metrics (lock.py: one writer)
 signals.py       Ctrl-C and SIGTERM as a request to stop after the step

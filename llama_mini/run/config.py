@@ -15,6 +15,7 @@ from typing import Optional
 from ..cli import KERNELS, check_context, check_number, flag, utf8_text
 from ..device import DTYPES
 from ..model import NORMS, ModelArgs
+from ..trainer import Hyperparameters
 from .data import corpus_name
 
 # --dtype's choices: auto, or one of the dtypes, but float16, which needs a gradient scaler
@@ -114,6 +115,10 @@ class TrainConfig:
             multiple_of=self.multiple_of, vocab_size=vocab_size, max_seq_len=self.seq_len, norm=self.norm, norm_p=self.norm_p,
             tie_embeddings=self.tie_embeddings,
         )
+
+    def hyperparameters(self) -> Hyperparameters:
+        """What the training step reads of these flags."""
+        return Hyperparameters(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Hyperparameters)})
 
     def run_dir(self) -> Path:
         return Path(self.out) if self.out else Path("checkpoints") / (self.run_name or corpus_name(self.data))

@@ -7,7 +7,7 @@ The pipeline a training run needs, each step cached so that it happens once:
   3. tokenize: every document as BOS + ids + EOS, concatenated into one flat uint16 (uint32 for
      vocabularies over 65536) file, memory-mapped on later runs;
   4. TokenSplits: the first (1 - val_fraction) of the tokens train, the rest validate;
-     training reads random windows of seq_len + 1 tokens, evaluation fixed ones.
+     training reads random windows of seq_len + 1 tokens (TrainBatches), evaluation fixed ones.
 """
 
 import array
@@ -182,3 +182,30 @@ class TokenSplits:
         idx = starts[:, None] + torch.arange(seq_len + 1)
         w = self.splits[split][idx].long()
         return w[:, :-1], w[:, 1:]
+
+
+class TrainBatches:
+    """The training batches: an endless iterator of this process's (inputs, targets), each
+    (batch_size, seq_len), on device.
+
+    Every process draws the same batch_size * world_size window offsets from the same seeded
+    RNG and keeps its slice, so K processes see exactly the windows one process would with the
+    whole batch. The RNG's state is part of a checkpoint (run/training_run.py): a resumed run
+    draws the batches it would have drawn."""
+
+    def __init__(self, tokens: TokenSplits, batch_size: int, seq_len: int, device: torch.device, seed: int,
+                 rank: int = 0, world_size: int = 1):
+        self.tokens, self.batch_size, self.seq_len, self.device = tokens, batch_size, seq_len, device
+        self.rank, self.world_size = rank, world_size
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        B, T = self.batch_size, self.seq_len
+        starts = self.tokens.random_starts("train", B * self.world_size, T, self.rng)
+        x, y = self.tokens.windows("train", starts[self.rank * B : (self.rank + 1) * B], T)
+        if self.device.type == "cuda":  # from pinned memory the copy overlaps with the GPU's work
+            x, y = x.pin_memory(), y.pin_memory()
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)

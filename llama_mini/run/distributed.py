@@ -52,6 +52,9 @@ class ProcessGroup:
             dist.all_reduce(tensor)  # gloo has no AVG: callers sum, then divide
         return tensor
 
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.sum(tensor) / self.world_size
+
     def any(self, flag: bool, device: torch.device) -> bool:
         """True where flag is true on any process: every process gets the same answer."""
         if self.world_size == 1:

@@ -216,7 +216,7 @@ class RunFolder:
             self.lock = None
 
 
-# What train_state.pt holds (Trainer.state_dict without the model, and the run's config), by type.
+# What train_state.pt holds (TrainingRun.state_dict without the model, and the run's config), by type.
 STATE_FIELDS = {"optimizer": dict, "step": int, "elapsed": (int, float), "data_rng": torch.Tensor,
                 "torch_rng": torch.Tensor, "cuda_rng": list, "python_rng": tuple, "config": dict, "data_digest": str}
 

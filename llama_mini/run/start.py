@@ -1,13 +1,14 @@
-"""A training run set up from its TrainConfig: start_run(cfg) -> a Trainer ready to step.
+"""A training run set up from its TrainConfig: start_run(cfg) -> a TrainingRun ready to step.
 
 The run folder is checked first and taken last, so a run refused for a flag, a file or its
 data leaves nothing behind. In between: the data and its tokenizer (a resumed run's own,
 --tokenizer, the --init-from checkpoint's, or one trained on the data), the model (from
 scratch, the run's latest checkpoint or --init-from; with the fused RMSNorm where it builds,
-so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun started, and
-its optimizer.
+so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun started, its
+optimizer and the Trainer that steps them.
 """
 
+import functools
 import sys
 
 import torch
@@ -21,13 +22,14 @@ from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
 from ..trainer import Trainer, configure_optimizer
 from .config import TrainConfig, finetune_config
-from .data import TokenSplits, load_tokenizer, open_corpus, tokenize
-from .distributed import ProcessGroup, load_full_state_dicts, wrap_model
+from .data import TokenSplits, TrainBatches, load_tokenizer, open_corpus, tokenize
+from .distributed import ProcessGroup, gradient_sync, load_full_state_dicts, wrap_model
 from .folder import RunFolder
+from .training_run import TrainingRun
 
 
-def start_run(cfg: TrainConfig) -> Trainer:
-    """The Trainer of the run cfg describes: new, resumed (--resume) or fine-tuning (--init-from)."""
+def start_run(cfg: TrainConfig) -> TrainingRun:
+    """The run cfg describes: new, resumed (--resume) or fine-tuning (--init-from)."""
     group = ProcessGroup()
     device = pick_device(cfg.device, group.local_rank)
     if cfg.fsdp and group.world_size == 1:
@@ -40,17 +42,17 @@ def start_run(cfg: TrainConfig) -> Trainer:
         cfg = folder.resumed_config(cfg, saved)
     group.join(device)
     try:
-        trainer = _build(cfg, saved, folder, group, device)
+        run = _build(cfg, saved, folder, group, device)
         if group.is_main:
-            folder.open(trainer.tokenizer.model_path)
+            folder.open(run.tokenizer.model_path)
     except BaseException:
         group.leave()
         raise
-    return trainer
+    return run
 
 
-def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, device) -> Trainer:
-    """Data, tokenizer, model and optimizer; restored from saved, or from --init-from."""
+def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, device) -> TrainingRun:
+    """Data, tokenizer, model, optimizer and Trainer, as a TrainingRun; restored from saved, or from --init-from."""
     corpus = open_corpus(cfg.data)  # checks the data before any work
     if saved and saved["data_digest"] != corpus.digest:
         raise ValueError(
@@ -76,15 +78,26 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     if cfg.kernels == "auto":
         use_fused_rmsnorm(raw_model)
     model = wrap_model(raw_model, group, device, cfg.fsdp, cfg.compile)
-    optimizer = configure_optimizer(raw_model, cfg, device)
-    trainer = Trainer(cfg, raw_model, model, optimizer, tokens, group, device, folder, tokenizer, corpus)
+    hp = cfg.hyperparameters()
+    optimizer = configure_optimizer(raw_model, hp, device, sharded=cfg.fsdp)
+    batches = TrainBatches(tokens, cfg.batch_size, cfg.seq_len, device, cfg.seed, group.rank, group.world_size)
+    # On one process a step runs no code of distributed.py: the Trainer's defaults do nothing.
+    processes = {} if group.world_size == 1 else {
+        "gradient_sync": functools.partial(gradient_sync, raw_model, model), "average": group.mean}
+    trainer = Trainer(model, optimizer, hp, batches, bf16=trains_in_bf16(cfg, device), **processes)
+    run = TrainingRun(cfg, trainer, raw_model, batches, tokens, tokenizer, corpus, folder, group, device)
     if saved:
-        trainer.load_state_dict({**saved, "model": source.state_dict()})
+        run.load_state_dict({**saved, "model": source.state_dict()})
     elif source:  # fine-tuning: the weights, and a fresh optimizer
         load_full_state_dicts(raw_model, None, source.state_dict(), None, cfg.fsdp)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls on tensor cores: free speed
-    return trainer
+    return run
+
+
+def trains_in_bf16(cfg: TrainConfig, device) -> bool:
+    """--dtype bfloat16, or auto on a GPU with fast bfloat16: the forward runs under bfloat16 autocast."""
+    return cfg.dtype == "bfloat16" or (cfg.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
 
 
 def check_training_fits(args, cfg: TrainConfig, device) -> None:

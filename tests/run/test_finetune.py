@@ -89,10 +89,10 @@ def test_init_from_reads_every_checkpoint_format(source, tmp_path, fmt):
     folder = save_checkpoint(llama_mini.load_checkpoint(source["run"]), tmp_path / fmt, format=fmt, tokenizer_path=tokenizer)
     cfg = TrainConfig(init_from=str(folder), data=str(source["data"][1]), cache_dir=str(source["data"][3]),
                       out=str(tmp_path / "run"), seq_len=32, batch_size=4, eval_iters=2, device="cpu")
-    trainer = start_run(cfg)
-    assert trainer.evaluate()["val_loss"] == source["val_loss"]
-    assert trainer.args.dim == 32 and trainer.cfg.n_kv_heads == 1 and trainer.step == 0
-    trainer.close()
+    run = start_run(cfg)
+    assert run.evaluate()["val_loss"] == source["val_loss"]
+    assert run.args.dim == 32 and run.cfg.n_kv_heads == 1 and run.trainer.step == 0
+    run.close()
 
 
 def test_fine_tuned_run_resumes_bitwise_like_any_run(source, finetuned, tmp_path):

@@ -269,14 +269,14 @@ def test_the_checkpoint_called_last_good_holds_finite_weights(tmp_path, data):
 def test_weights_that_are_not_finite_are_never_saved(tmp_path, data):
     cfg = TrainConfig(data=str(data[1]), cache_dir=str(data[3]), out=str(tmp_path / "run"), device="cpu",
                       dim=32, n_layers=1, n_heads=2, vocab_size=400, seq_len=32, batch_size=4, max_steps=4)
-    trainer = start_run(cfg)
-    trainer.train_step()
+    run = start_run(cfg)
+    run.trainer.train_step()
     with torch.no_grad():
-        trainer.raw_model.layers[0].attention.wq.weight[0, 0] = float("nan")
+        run.raw_model.layers[0].attention.wq.weight[0, 0] = float("nan")
     with pytest.raises(NonFiniteLoss, match=r"weights hold NaN or inf after step 1 \(layers.0.attention.wq.weight\); "
                                             "not saved, and no checkpoint was saved yet"):
-        trainer.save()
-    trainer.close()
+        run.save()
+    run.close()
     assert not list((tmp_path / "run").glob("*step-*")) and not (tmp_path / "run" / "latest").exists()
 
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 import llama_mini
 from llama_mini.run import corpus
 from llama_mini.run.folder import read_metrics
-from llama_mini.trainer import configure_optimizer, flops_per_token, lr_at
+from llama_mini.trainer import NonFiniteLoss, configure_optimizer, flops_per_token, lr_at
 from llama_mini.run.start import start_run
 from llama_mini.run.config import TrainConfig
 
@@ -80,18 +80,18 @@ def final_weights(run: Path) -> dict:
 
 
 def test_lr_warms_up_linearly_then_follows_a_cosine_to_a_tenth():
-    cfg = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110)
-    assert lr_at(0, cfg) == pytest.approx(1e-4)
-    assert lr_at(4, cfg) == pytest.approx(5e-4)
-    assert lr_at(9, cfg) == pytest.approx(1e-3)
-    assert lr_at(10, cfg) == pytest.approx(1e-3)
-    assert lr_at(60, cfg) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway down the cosine
-    assert lr_at(110, cfg) == pytest.approx(1e-4)
+    hp = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=110).hyperparameters()
+    assert lr_at(0, hp) == pytest.approx(1e-4)
+    assert lr_at(4, hp) == pytest.approx(5e-4)
+    assert lr_at(9, hp) == pytest.approx(1e-3)
+    assert lr_at(10, hp) == pytest.approx(1e-3)
+    assert lr_at(60, hp) == pytest.approx(1e-4 + 0.5 * 9e-4)  # halfway down the cosine
+    assert lr_at(110, hp) == pytest.approx(1e-4)
 
 
 def test_weight_decay_applies_to_matrices_only():
     model = llama_mini.Transformer(llama_mini.ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=50))
-    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1), torch.device("cpu"))
+    opt = configure_optimizer(model, TrainConfig(weight_decay=0.1).hyperparameters(), torch.device("cpu"))
     decayed, plain = opt.param_groups
     assert decayed["weight_decay"] == 0.1 and plain["weight_decay"] == 0.0
     assert all(p.dim() == 2 for p in decayed["params"]) and all(p.dim() == 1 for p in plain["params"])
@@ -135,9 +135,9 @@ def test_gradient_accumulation_equals_one_big_batch(text_file, cache_dir, tmp_pa
     def one_step(batch_size, grad_accum, out):
         cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / out), device="cpu",
                           max_steps=3, **{**TINY, "batch_size": batch_size}, grad_accum=grad_accum)
-        trainer = start_run(cfg)
-        loss = trainer.train_step()
-        return loss, trainer.model.state_dict()
+        run = start_run(cfg)
+        loss = run.trainer.train_step()
+        return loss, run.raw_model.state_dict()
 
     big_loss, big = one_step(4, 1, "big")
     acc_loss, acc = one_step(2, 2, "acc")
@@ -156,12 +156,12 @@ def test_kernels_off_trains_model_pys_own_code_and_auto_the_fused_norm_with_the_
     for kernels in ("off", "auto"):
         cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / kernels), device="cpu",
                           max_steps=3, kernels=kernels, **TINY)
-        trainer = start_run(cfg)
-        norms = [m for m in trainer.raw_model.modules() if isinstance(m, RMSNorm)]
+        run = start_run(cfg)
+        norms = [m for m in run.raw_model.modules() if isinstance(m, RMSNorm)]
         fused = kernels == "auto" and fused_rmsnorm.cpu_kernel()[0] is not None
         assert norms and all(type(m) is (FusedRMSNorm if fused else RMSNorm) for m in norms)
-        losses[kernels] = trainer.train_step()
-        trainer.close()
+        losses[kernels] = run.trainer.train_step()
+        run.close()
     assert losses["off"] == losses["auto"]
 
 
@@ -173,11 +173,11 @@ def test_compile_compiles_each_block_and_trains_as_eager_does(text_file, cache_d
     for compile in (False, True):
         cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / str(compile)), device="cpu",
                           max_steps=3, compile=compile, **TINY)
-        trainer = start_run(cfg)
-        assert trainer.model is trainer.raw_model
-        losses = [trainer.train_step() for _ in range(3)]
-        runs[compile] = losses, trainer.raw_model.state_dict()
-        trainer.close()
+        run = start_run(cfg)
+        assert run.trainer.model is run.raw_model
+        losses = [run.trainer.train_step() for _ in range(3)]
+        runs[compile] = losses, run.raw_model.state_dict()
+        run.close()
     (eager_losses, eager), (compiled_losses, compiled) = runs[False], runs[True]
     assert compiled_losses == pytest.approx(eager_losses, rel=1e-5)
     assert compiled.keys() == eager.keys()
@@ -188,15 +188,15 @@ def test_compile_compiles_each_block_and_trains_as_eager_does(text_file, cache_d
 def test_trainer_learns_and_samples(text_file, cache_dir, tmp_path):
     cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=60, lr=3e-3, warmup_steps=5, **TINY)
-    trainer = start_run(cfg)
-    before = trainer.evaluate()
+    run = start_run(cfg)
+    before = run.evaluate()
     assert before["val_loss"] == pytest.approx(math.log(400), rel=0.05)  # near-uniform guess at init
     assert before["val_ppl"] == pytest.approx(math.exp(before["val_loss"]))
     for _ in range(60):
-        trainer.train_step()
-    after = trainer.evaluate()
+        run.trainer.train_step()
+    after = run.evaluate()
     assert after["val_loss"] < before["val_loss"] - 1.0
-    text = trainer.sample("Once upon a time", 10)
+    text = run.sample("Once upon a time", 10)
     assert text.startswith("Once upon a time") and len(text) > len("Once upon a time")
 
 
@@ -208,30 +208,30 @@ def test_bits_per_byte_is_the_nats_over_ln2_and_the_bytes_the_scored_text_decode
     text.write_text("\n".join(f"Café {i} naïve 日本 story." for i in range(3000)), encoding="utf-8")
     cfg = TrainConfig(data=str(text), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=1, **{**TINY, "vocab_size": 300})
-    trainer = start_run(cfg)
+    run = start_run(cfg)
     with torch.no_grad():
-        trainer.raw_model.output.weight.zero_()  # every logit 0: the uniform guess
-    result = trainer.evaluate()
+        run.raw_model.output.weight.zero_()  # every logit 0: the uniform guess
+    result = run.evaluate()
     assert result["val_loss"] == pytest.approx(math.log(300), rel=1e-6)
-    starts = trainer.tokens.even_starts("val", cfg.eval_iters * cfg.batch_size, cfg.seq_len)
-    x, y = trainer.tokens.windows("val", starts, cfg.seq_len)
-    sp = trainer.tokenizer.sp
+    starts = run.tokens.even_starts("val", cfg.eval_iters * cfg.batch_size, cfg.seq_len)
+    x, y = run.tokens.windows("val", starts, cfg.seq_len)
+    sp = run.tokenizer.sp
     windows = torch.cat([x[:, :1], y], dim=1).tolist()
     decoded = sum(len(sp.decode(w).encode()) - len(sp.decode(w[:1]).encode()) for w in windows)
     assert decoded > y.numel()  # multi-byte characters
     assert result["val_bpb"] == pytest.approx(y.numel() * math.log2(300) / decoded, rel=1e-6)
-    trainer.close()
+    run.close()
 
 
 def test_non_finite_loss_stops_naming_the_step_without_touching_the_weights(text_file, cache_dir, tmp_path):
     cfg = TrainConfig(data=str(text_file), cache_dir=str(cache_dir), out=str(tmp_path / "run"), device="cpu",
                       max_steps=5, **TINY)
-    trainer = start_run(cfg)
+    trainer = start_run(cfg).trainer
     trainer.train_step()
     with torch.no_grad():
         trainer.model.layers[0].feed_forward.w1.weight[0, 0] = float("inf")
     snapshot = {k: v.clone() for k, v in trainer.model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"loss is (nan|inf) at step 2; stopped before updating the weights"):
+    with pytest.raises(NonFiniteLoss, match=r"loss is (nan|inf) at step 2; stopped before updating the weights"):
         trainer.train_step()
     assert all(torch.equal(v, snapshot[k]) for k, v in trainer.model.state_dict().items())
 
