@@ -125,8 +125,8 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x_rms.pow(2).mean(-1, keepdim=True) + self.eps)
 
     def forward(self, x):
-        # Meta: self._norm(x.float()); float64 stays float64, so that gradcheck can run.
-        output = self._norm(x if x.dtype == torch.float64 else x.float()).type_as(x)
+        # Meta's line as it is: the statistic in float32 for every input dtype, float64 included.
+        output = self._norm(x.float()).type_as(x)
         return output * self.weight
 
     def extra_repr(self) -> str:

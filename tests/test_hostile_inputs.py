@@ -138,10 +138,15 @@ BAD_CHECKPOINTS = {
     "garbage safetensors header": ("native", lambda d: garbage_header(d / "model.safetensors"), "is truncated or corrupt"),
     "truncated pth": ("meta", lambda d: truncate(d / "consolidated.00.pth"), "consolidated.00.pth is truncated or corrupt"),
     "params.json disagrees": ("meta", lambda d: edit_json(d / "params.json", n_kv_heads=1), "has shape (32, 32) but the config implies (16, 32)"),
-    "config.json disagrees": ("hf", lambda d: edit_json(d / "config.json", intermediate_size=64), "tensor layers.0.feed_forward.w2.weight has shape (32, 256) but the config implies (32, 64)"),
+    "config.json disagrees": ("hf", lambda d: edit_json(d / "config.json", intermediate_size=64), "tensor model.layers.0.mlp.down_proj.weight has shape (32, 256) but the config implies (32, 64)"),
     "missing tokenizer": ("native", lambda d: (d / "tokenizer.model").unlink(), "neither it nor its parent holds tokenizer.model"),
     "unknown format": ("native", lambda d: (d / "config.json").unlink(), "not a checkpoint folder of a known format"),
     "nan weights": ("native", nan_weights, "NaN"),
+    # Our own files' layout is their format record's to say (llama_mini/formats/record.py).
+    "native of a newer format": ("native", lambda d: edit_json(d / "config.json", format_version=99, llama_mini_version="5.0.0"),
+                                 "was written by llama_mini 5.0.0 in format 99; this is llama_mini"),
+    "native naming norm_impl, no record": ("native", lambda d: write_json(d / "config.json", {"llama_mini": {"dim": 32, "norm_impl": "fused"}}),
+                                           "older than 0.1.0 (it has no format record) and names norm_impl"),
     # Reads stay inside the folder the user named.
     "latest climbs out": ("native", lambda d: point_latest_at(d, lambda x: "../elsewhere"), "latest names '../elsewhere', not a step-N checkpoint of this run"),
     "latest is absolute": ("native", lambda d: point_latest_at(d, str), "elsewhere', not a step-N checkpoint of this run"),

@@ -4,12 +4,15 @@ and what runs where: a training step and a decoding step each run the few files 
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 
+import llama_mini
 from llama_mini.run import corpus
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +204,7 @@ def test_a_model_is_built_and_trained_with_model_py_alone_loading_and_compiling_
 def test_import_llama_mini_is_cheap_and_its_names_load_on_first_use():
     code = (
         "import sys, llama_mini\n"
+        "assert llama_mini.__version__\n"
         "print(sorted(m for m in sys.modules if m.startswith('llama_mini')))\n"
         "print(llama_mini.load_checkpoint.__module__, llama_mini.quantize.__module__, llama_mini.open_tokenizer.__module__)\n"
     )
@@ -209,3 +213,11 @@ def test_import_llama_mini_is_cheap_and_its_names_load_on_first_use():
     assert result.stdout.splitlines() == [
         "['llama_mini']", "llama_mini.formats.checkpoint llama_mini.quant llama_mini.tokenizers",
     ]
+
+
+def test_the_version_is_written_once_in_the_package_and_pyproject_reads_it_from_there():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert project["project"]["name"] == "llama_mini"
+    assert "version" in project["project"]["dynamic"] and "version" not in project["project"]
+    assert project["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "llama_mini.__version__"}
+    assert re.fullmatch(r"\d+\.\d+\.\d+", llama_mini.__version__)

@@ -86,12 +86,28 @@ def test_naive_bfloat16_computation_differs_from_cast_once():
     assert (naive.double() - exact).abs().mean() > (cast_once.double() - exact).abs().mean()
 
 
-def test_gradcheck_float64():
-    norm = random_norm(dim=16).double()
+def test_float64_input_is_normalised_in_float32_as_metas_code_does():
+    norm = random_norm(dim=64).double()
+    x = torch.randn(5, 64, dtype=torch.float64)
+    statistic = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
+    assert torch.equal(norm(x), statistic.double() * norm.weight)
+
+
+@pytest.mark.parametrize("p", [1.0, 0.25])
+def test_gradients_are_a_float64_references_within_float32_rounding(p):
+    """The reference's gradients are the true derivatives (gradcheck, in float64); RMSNorm's,
+    computed in float32 as Meta's code computes, match them within float32 rounding."""
+    norm = random_norm(dim=16, p=p)
+    n_rms = norm.n_rms if p < 1 else None
     x = torch.randn(3, 16, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(norm, (x,))
-    partial = random_norm(dim=16, p=0.25).double()
-    assert torch.autograd.gradcheck(partial, (x,))
+    weight = norm.weight.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: rms_norm_float64(x, w, n_rms=n_rms), (x, weight))
+    dy = torch.randn(3, 16, dtype=torch.float64)
+    expected = torch.autograd.grad(rms_norm_float64(x, weight, n_rms=n_rms), (x, weight), dy)
+    x32 = x.detach().float().requires_grad_()
+    got = torch.autograd.grad(norm(x32), (x32, norm.weight), dy.float())
+    for name, g, e in zip(("dx", "dweight"), got, expected):
+        torch.testing.assert_close(g.double(), e, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_partial_with_p_one_equals_full():

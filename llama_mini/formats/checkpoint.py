@@ -12,7 +12,8 @@ files are memory-mapped (torch.load(mmap=True), safetensors' lazy reading), and 
 tensors become the parameters through load_state_dict(assign=True). Pages are read from disk
 when first used, so peak memory is about the size of the files (for a quantized GGUF file,
 the size of its dequantized weights). Nothing a file says is trusted before it is checked
-(reading.py, config_check.py).
+(reading.py, config_check.py); each reader checks its tensors against the config once
+(state_dict.check_fits), and our own files' layout by their format record (record.py).
 """
 
 from pathlib import Path

@@ -40,7 +40,7 @@ from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
 from .config_check import check_fields, model_args
 from .names import from_format, to_format
-from .state_dict import check_layer_count, check_shape
+from .state_dict import check_fits
 
 TENSOR_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -224,17 +224,7 @@ def read_gguf(path: Path, dtype=None):
     args = model_args({**fields, "tie_embeddings": tied}, path)
     if ROPE_FREQS in file.tensors:
         args = rope_scaling_from_factors(file.tensor(ROPE_FREQS), args, file.fields, path)
-    try:
-        check_layer_count(args, names)  # before building: a file may claim millions of layers
-        with torch.device("meta"):
-            expected = Transformer(args).state_dict()
-        for ours, theirs in names.items():
-            check_shape(theirs, file.tensors[theirs], expected[ours])
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
-    missing = expected.keys() - names.keys() - ({"output.weight"} if tied else set())
-    if missing:
-        raise ValueError(f"{path} does not fit its metadata: missing {sorted(to_format(n, 'gguf') for n in missing)[:3]}")
+    check_fits(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
     state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
     if tied:
         state["output.weight"] = state["tok_embeddings.weight"]

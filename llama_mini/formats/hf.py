@@ -11,15 +11,14 @@ import typing
 from pathlib import Path
 from typing import Optional
 
-import torch
 from safetensors.torch import save_file
 
-from ..model import ModelArgs, Transformer
+from ..model import ModelArgs
 from ..files import atomic_write, brief
 from .config_check import check_fields
 from .reading import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
-from .state_dict import check_layer_count, check_shape
+from .state_dict import check_fits
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -59,16 +58,24 @@ def to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
 
 def from_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     """transformers' LlamaForCausalLM state dict -> ours (q/k rows restored to Meta's order)."""
+    return _from_hf_rows(_from_hf_names(state_dict), args)
+
+
+def _from_hf_names(state_dict: dict) -> dict:
+    """The same tensors under our names; KeyError for a name that is not a Llama parameter."""
+    # Old transformers saved rotary_emb.inv_freq; we recompute it.
+    return {from_format(key, "hf"): w for key, w in state_dict.items() if not key.endswith("rotary_emb.inv_freq")}
+
+
+def _from_hf_rows(state: dict, args: ModelArgs) -> dict:
+    """A state dict in our names with HF's q/k rows put back in Meta's order, and a tied head."""
     out = {}
-    for key, w in state_dict.items():
-        if key.endswith("rotary_emb.inv_freq"):
-            continue  # old transformers saved this buffer; we recompute it
-        ours = from_format(key, "hf")
-        if ours.endswith("attention.wq.weight"):
+    for key, w in state.items():
+        if key.endswith("attention.wq.weight"):
             w = permute_from_hf(w, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
+        elif key.endswith("attention.wk.weight"):
             w = permute_from_hf(w, args.n_kv_heads)
-        out[ours] = w
+        out[key] = w
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -91,26 +98,12 @@ def read_hf(path: Path):
     state = {}
     for file in _weight_files(path):
         state.update(read_safetensors(file) if file.suffix == ".safetensors" else tensor_dict(torch_load(file), file))
-    _check_names_and_shapes(args, state)
     try:
-        return args, from_hf_state_dict(state, args)
+        state = _from_hf_names(state)
     except KeyError as e:
         raise ValueError(f"{path} holds tensor {e}, which is not part of a Llama model") from None
-
-
-def _check_names_and_shapes(args: ModelArgs, state: dict) -> None:
-    """Every tensor the config implies is there with its shape, checked in the file's own
-    names: the q/k rows are permuted by head when renamed, which needs the right shapes."""
-    check_layer_count(args, state)
-    with torch.device("meta"):
-        ours = Transformer(args).state_dict()
-    expected = {hf_name: (name, t) for name in ours for hf_name, t in to_hf_state_dict({name: ours[name]}, args).items()}
-    missing = expected.keys() - state.keys()
-    if missing:
-        raise ValueError(f"checkpoint does not fit the config: missing {sorted(missing)[:3]}")
-    for hf_name, tensor in state.items():
-        if hf_name in expected:
-            check_shape(expected[hf_name][0], tensor, expected[hf_name][1])
+    check_fits(args, state, path, layout="hf")  # before the q/k rows are permuted, which needs their shapes
+    return args, _from_hf_rows(state, args)
 
 
 def _weight_files(path: Path) -> list[Path]:

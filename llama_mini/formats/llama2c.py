@@ -30,6 +30,7 @@ import torch
 
 from .config_check import check_fields, model_args
 from .reading import tensor_dict, torch_load
+from .state_dict import check_fits
 
 MAGIC = 0x616B3432  # "ak42" as a little-endian uint32
 HEADER = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len")
@@ -51,7 +52,7 @@ def is_bin(file: Path) -> bool:
 
 
 def read_bin(file: Path):
-    """(ModelArgs, state dict) of a llama2.c .bin. fp32 weights stay memory-mapped."""
+    """(ModelArgs, state dict) of a llama2.c .bin, checked. fp32 weights stay memory-mapped."""
     version, header, shared, group_size, offset = _read_header(file)
     args = model_args({**header, "tie_embeddings": shared}, file)
     layout = _layout(args, version, shared)
@@ -72,6 +73,7 @@ def read_bin(file: Path):
             if template is not None:
                 state[template.format(i)] = _array(data, pos, shape, group_size)
             pos += _nbytes(shape, group_size)
+    check_fits(args, state, file)
     if shared:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
@@ -153,7 +155,7 @@ def _fp32(data, start: int, nbytes: int):
 
 
 def read_pt(file: Path):
-    """(ModelArgs, state dict) of llama2.c's training checkpoint ckpt.pt."""
+    """(ModelArgs, state dict) of llama2.c's training checkpoint ckpt.pt, checked."""
     checkpoint = torch_load(file)
     if not isinstance(checkpoint, dict) or not {"model", "model_args"} <= checkpoint.keys():
         raise ValueError(
@@ -166,4 +168,6 @@ def read_pt(file: Path):
     fields = {k: v for k, v in fields.items() if k != "dropout"}  # a training setting, not the model's
     state = tensor_dict(checkpoint["model"], file)
     state = {k.removeprefix(_COMPILE_PREFIX): v for k, v in state.items()}
-    return model_args(fields, file), state
+    args = model_args(fields, file)
+    check_fits(args, state, file)
+    return args, state

@@ -15,6 +15,7 @@ from .config_check import model_args
 from ..files import atomic_write, torch_save
 from .reading import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
+from .state_dict import check_fits
 
 META_PARAMS = "params.json"
 
@@ -24,7 +25,7 @@ def is_meta(path: Path) -> bool:
 
 
 def read_meta(path: Path, tokenizer_vocab_size):
-    """(ModelArgs, state dict) of Meta's folder. tokenizer_vocab_size() gives the vocabulary size
+    """(ModelArgs, state dict) of Meta's folder, checked. tokenizer_vocab_size() gives the vocabulary size
     where params.json says -1 (Llama-2's does: the tokenizer decides)."""
     params = read_json(path / META_PARAMS)
     if params.get("vocab_size", -1) == -1:
@@ -36,7 +37,9 @@ def read_meta(path: Path, tokenizer_vocab_size):
     if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
         names = ", ".join(f.name for f in files) or "none"
         raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
-    return args, merge_meta_shards([tensor_dict(torch_load(f), f) for f in files])
+    state = merge_meta_shards([tensor_dict(torch_load(f), f) for f in files])
+    check_fits(args, state, path)
+    return args, state
 
 
 # Meta's params.json for Llama-3.x says only "use_scaled_rope": its reference code

@@ -1,7 +1,7 @@
-"""Our own checkpoint: a folder of config.json ({"llama_mini": ModelArgs fields}, and a
-"quantization" record for int8/int4 weights), model.safetensors and, when known, the
-tokenizer.model it was trained with. A training run folder holds one per saved step, named
-step-N, and a `latest` file naming the newest complete one.
+"""Our own checkpoint: a folder of config.json (the format record, {"llama_mini": ModelArgs
+fields}, and a "quantization" record for int8/int4 weights), model.safetensors and, when
+known, the tokenizer.model it was trained with. A training run folder holds one per saved
+step, named step-N, and a `latest` file naming the newest complete one.
 """
 
 import dataclasses
@@ -12,10 +12,12 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
+from ..files import atomic_write
 from ..quant import read_quantization
 from .config_check import model_args
-from ..files import atomic_write
 from .reading import read_json, read_safetensors
+from .record import check_config, format_record
+from .state_dict import check_fits
 
 CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
 CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
@@ -51,16 +53,17 @@ def is_native(path: Path) -> bool:
 
 
 def read_native(path: Path):
-    """(ModelArgs, state dict, quantization record or None) of our checkpoint folder."""
+    """(ModelArgs, state dict, quantization record or None) of our checkpoint folder, checked."""
     fields = read_json(path / CONFIG)
+    check_config(fields, path / CONFIG)  # an older layout is refused before any of it is read
     config = fields["llama_mini"]
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
-    # norm_impl: how RMSNorm ran, saved by older versions; now a layer applied from outside.
-    args = model_args({k: v for k, v in config.items() if k != "norm_impl"}, path / CONFIG)
+    args = model_args(config, path / CONFIG)
     quantization = read_quantization(fields["quantization"], path / CONFIG) if "quantization" in fields else None
     state = read_safetensors(path / WEIGHTS, quantized=quantization is not None)
-    if args.tie_embeddings and "tok_embeddings.weight" in state:
+    check_fits(args, state, path, quantization=quantization)
+    if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state, quantization
 
@@ -70,7 +73,7 @@ def write_native(model, path: Path) -> None:
     if model.args.tie_embeddings:
         del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
     atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    config = {"llama_mini": dataclasses.asdict(model.args)}
+    config = {**format_record(), "llama_mini": dataclasses.asdict(model.args)}
     if getattr(model, "quantization", None):
         config["quantization"] = model.quantization
     atomic_write(path / CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=2)))

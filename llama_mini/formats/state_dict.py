@@ -1,6 +1,7 @@
-"""A state dict made a model: checked against its config by name and shape, then assigned.
+"""A state dict made a model: checked against its config by name and shape (check_fits, the
+one check every reader makes), then assigned (build_model).
 
-The checks run before anything large is built or read, so a config that disagrees with its
+The check runs before anything large is built or read, so a config that disagrees with its
 weights (or claims ten million layers) is one line of error, not minutes of building.
 """
 
@@ -10,9 +11,11 @@ import re
 import torch
 
 from ..model import ModelArgs, Transformer
-from ..quant import empty_quantized_model, upgrade_int8_layout
+from ..quant import empty_quantized_model
+from .names import to_format
 
-_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")  # ours and Hugging Face's names
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
+MISFIT = "the config was not written for these weights: restore the one that came with them, or download or convert the checkpoint again"
 
 
 def tie_equal_heads(state: dict) -> bool:
@@ -35,34 +38,29 @@ def tie_equal_heads(state: dict) -> bool:
     return True
 
 
-def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
-    """A Transformer holding exactly the tensors of state, checked by name and shape.
-    quantization (a stored record) builds the quantized layers the state holds instead."""
-    check_layer_count(args, state)  # before building: a config may claim millions of layers
-    with torch.device("meta"):
-        model = Transformer(args)
-        if quantization is not None:
-            empty_quantized_model(model, quantization)
-    expected = model.state_dict()
-    if quantization is not None:
-        upgrade_int8_layout(state, expected)
-    missing = expected.keys() - state.keys()
-    unexpected = state.keys() - expected.keys()
+def check_fits(args: ModelArgs, tensors: dict, source, layout: str = "ours", quantization=None) -> None:
+    """Refuse, in one line naming source, tensors (by our names; anything with a shape) that are
+    not exactly the model args describes, quantized as the record says: every name and shape.
+
+    Every reader runs this once per checkpoint, on the tensors as the files map them, before
+    it permutes or dequantizes any. layout ("hf", "gguf") names the tensors in messages as
+    the file does. A tied head may be absent: it is the embedding.
+    """
+    named = (lambda name: name) if layout == "ours" else (lambda name: to_format(name, layout))
+    _check_layer_count(args, tensors, source)  # before building: a config may claim millions of layers
+    expected = _empty_model(args, quantization).state_dict()
+    missing = expected.keys() - tensors.keys() - ({"output.weight"} if args.tie_embeddings else set())
+    unexpected = tensors.keys() - expected.keys()
     if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the config: missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}")
-    for name, tensor in state.items():
-        check_shape(name, tensor, expected[name])
-    dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
-    if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
-        dtype = state["tok_embeddings.weight"].dtype
-    model.load_state_dict(state, assign=True)
-    if args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
-    model = model.to(device=device, dtype=dtype).eval()
-    return model
+        found = {"missing": sorted(map(named, missing))[:3], "unexpected": sorted(map(named, unexpected))[:3]}
+        raise ValueError(f"{source} does not fit the config: {_listed(found)}; {MISFIT}")
+    for name, tensor in tensors.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(f"{source}: tensor {named(name)} has shape {tuple(tensor.shape)} but the config implies "
+                             f"{tuple(expected[name].shape)}; {MISFIT}")
 
 
-def check_layer_count(args: ModelArgs, names) -> None:
+def _check_layer_count(args: ModelArgs, names, source) -> None:
     """The tensor names hold layers 0 .. n_layers-1: checked before any model is built, since
     building costs time and memory per layer the config claims, and the names are bounded by
     what the files hold."""
@@ -71,12 +69,31 @@ def check_layer_count(args: ModelArgs, names) -> None:
         return
     missing = itertools.islice((f"layers.{i}.*" for i in range(args.n_layers) if i not in found), 3)
     unexpected = [f"layers.{i}.*" for i in sorted(i for i in found if i >= args.n_layers)[:3]]
-    raise ValueError(
-        f"checkpoint does not fit the config: missing {list(missing)}, unexpected {unexpected} "
-        f"(the config says {args.n_layers} layers; the weights hold {len(found)})"
-    )
+    raise ValueError(f"{source} does not fit the config: {_listed({'missing': list(missing), 'unexpected': unexpected})} "
+                     f"(the config says {args.n_layers} layers; the weights hold {len(found)}); {MISFIT}")
 
 
-def check_shape(name: str, tensor, expected) -> None:
-    if tensor.shape != expected.shape:
-        raise ValueError(f"tensor {name} has shape {tuple(tensor.shape)} but the config implies {tuple(expected.shape)}")
+def _listed(names: dict) -> str:
+    """missing [...], unexpected [...]: the kinds that have names."""
+    return ", ".join(f"{kind} {listed}" for kind, listed in names.items() if listed)
+
+
+def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
+    """A Transformer holding the tensors of state themselves, not copies (load_state_dict's
+    assign), on the meta device until then. state is a reader's, checked by check_fits, or
+    a live model's; quantization (a stored record) builds the quantized layers it holds."""
+    model = _empty_model(args, quantization)
+    dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
+    if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
+        dtype = state["tok_embeddings.weight"].dtype
+    model.load_state_dict(state, assign=True)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _empty_model(args: ModelArgs, quantization) -> Transformer:
+    """The model args describes on the meta device (no memory), with quantized layers where the record says."""
+    with torch.device("meta"):
+        model = Transformer(args)
+        return model if quantization is None else empty_quantized_model(model, quantization)

@@ -9,7 +9,8 @@ precision in its Q4 files).
 
 A quantized checkpoint stores the layers' buffers as they are held (layout.py), with a record
 in config.json that says how (quantization_record); empty_quantized_model builds the layers
-to load them into without ever holding full-precision weights.
+to load them into without ever holding full-precision weights. Which layout a checkpoint's
+buffers are in is the format record's to say (llama_mini/formats/record.py).
 """
 
 import time
@@ -19,10 +20,8 @@ import torch
 from torch import nn
 
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
-from .layout import ROW_SET, interleave_rows, pack_int8
 
 QUANTIZATIONS = ("int8", "int4")
-INT4_LAYOUT = "rows-of-8"  # recorded with int4 checkpoints: how codes, scales and zeros are laid out
 
 
 def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
@@ -73,25 +72,6 @@ def _linears(model: nn.Module, kind=nn.Linear):
             if isinstance(child, kind)]
 
 
-def upgrade_int8_layout(state: dict, expected: dict) -> None:
-    """Bring int8 layers saved in older layouts to today's, in place, one matrix at a time
-    (expected: an empty model's state dict): rows held plain, (out, in), go into sets of eight,
-    (out / 8, 8 in), where expected has them; one scale per row becomes that scale for each of
-    the row's blocks of 32 inputs. The weights they stand for are unchanged."""
-    for name, tensor in state.items():
-        want = expected.get(name)
-        if want is None or want.dim() != 2:
-            continue
-        if tensor.dtype == want.dtype == torch.int8:
-            if tuple(tensor.shape) == (want.shape[0] * ROW_SET, want.shape[1] // ROW_SET):
-                state[name] = pack_int8(tensor)
-        elif name.endswith("scales") and tensor.dim() == 1:
-            if want.shape[0] == tensor.shape[0]:  # plain rows: (out, blocks)
-                state[name] = tensor[:, None].repeat(1, want.shape[1])
-            elif want.shape[0] * ROW_SET == tensor.shape[0]:  # sets of eight: (out / 8, blocks * 8)
-                state[name] = interleave_rows(tensor[:, None].repeat(1, want.shape[1] // ROW_SET))
-
-
 def quantized_notice(model: nn.Module, flag: str = "--quantize") -> Optional[str]:
     """One line where model's integer layers compute slower than the float layers they stand
     for, on this device, as they run (off the CPU kernels, each call dequantizes its weight): the
@@ -140,17 +120,14 @@ def check_method(method: str) -> None:
 
 def read_quantization(record, source) -> dict:
     """The quantization record of a config.json, checked: {"method": ..., "group_size": ...}."""
-    if not isinstance(record, dict) or record.get("method") not in QUANTIZATIONS:
+    if not isinstance(record, dict) or record.get("method") not in QUANTIZATIONS or "group_size" not in record:
         raise ValueError(f"{source} has a quantization record llama_mini does not know ({record!r}); convert the checkpoint again")
-    group_size = record.get("group_size", DEFAULT_GROUP_SIZE)
+    group_size = record["group_size"]
     if record["method"] == "int4" and group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"{source}: int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")
-    if record["method"] == "int4" and record.get("layout") != INT4_LAYOUT:
-        raise ValueError(f"{source} holds int4 codes in an older layout; convert the checkpoint again from its source")
     return quantization_record(record["method"], group_size)
 
 
 def quantization_record(method: str, group_size: int) -> dict:
-    """What config.json says of a quantized checkpoint."""
-    record = {"method": method, "group_size": group_size}
-    return record | {"layout": INT4_LAYOUT} if method == "int4" else record
+    """What config.json says of a quantized checkpoint (the layout is the format record's, formats/record.py)."""
+    return {"method": method, "group_size": group_size}

@@ -1,6 +1,6 @@
 """A training run's folder: what it holds, how it is written, and what the run may delete.
 
-    run.json          marks the folder as a run of ours and lists the checkpoints it wrote
+    run.json          marks the folder as a run of ours (its format record) and lists the checkpoints it wrote
     train.lock        one writer at a time (lock.py)
     tokenizer.model   the run's own copy of its tokenizer
     metrics.jsonl     one JSON record per step
@@ -31,6 +31,7 @@ from ..cli import flag
 from ..files import atomic_folder, atomic_write, torch_save
 from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of
+from ..formats.record import check_run_record, format_record
 from ..formats.state_dict import build_model
 from ..model import ModelArgs
 from ..tokenizers import copy_tokenizer
@@ -60,7 +61,7 @@ class RunFolder:
             raise ValueError(f"the run folder {self.path} is a file; pass --out a folder")
         if resume:
             self.latest = self.find_latest()
-            self.checkpoints = self.read_record() if (self.path / RUN_RECORD).exists() else self.found_checkpoints()
+            self.checkpoints = self.read_record()
             read_metrics(self.path / METRICS)  # refused now, before the folder is taken
         else:
             self.check_new()
@@ -93,25 +94,25 @@ class RunFolder:
             )
         return latest
 
-    def found_checkpoints(self) -> list[str]:
-        """The checkpoints of a run folder written before run.json existed: the step-N folders
-        holding a training state, which only a run writes."""
-        return sorted(p.name for p in self.path.iterdir() if CHECKPOINT_NAME.fullmatch(p.name) and (p / TRAIN_STATE).is_file())
-
     def read_record(self) -> list[str]:
+        """The checkpoints run.json lists, once its format record says this version reads it."""
         file = self.path / RUN_RECORD
+        if not file.exists():
+            check_run_record(None, file, self.latest)  # refuses a run folder from before run.json
         try:
             if file.stat().st_size > 1 << 20:  # a record lists a few names; this is not ours
                 raise ValueError("too large")
-            names = json.loads(file.read_text())["checkpoints"]
+            fields = json.loads(file.read_text())
+            names = fields["checkpoints"]  # TypeError where run.json holds no object
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{file} is corrupt ({type(e).__name__}); it lists the run's checkpoints") from None
+        check_run_record(fields, file, self.latest)
         if not isinstance(names, list) or not all(isinstance(n, str) and CHECKPOINT_NAME.fullmatch(n) for n in names):
             raise ValueError(f"{file} lists names that are not step-N checkpoints of this run")
         return names
 
     def write_record(self) -> None:
-        record = {"llama_mini_run": 1, "checkpoints": self.checkpoints}
+        record = {**format_record(), "checkpoints": self.checkpoints}
         atomic_write(self.path / RUN_RECORD, lambda tmp: tmp.write_text(json.dumps(record, indent=1) + "\n"))
 
     # -- resuming --

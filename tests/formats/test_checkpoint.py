@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from llama_mini import generate, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
-from fixtures import LLAMA2_TOKENIZER, require, tiny_model
+from fixtures import LLAMA2_TOKENIZER, TINY, require, tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -368,7 +368,34 @@ def test_mismatched_shape_names_the_tensor_and_both_shapes(tmp_path):
     save_file(state, tmp_path / "model.safetensors")
     with pytest.raises(ValueError) as excinfo:
         load_checkpoint(tmp_path)
-    assert one_line_error(excinfo) == "tensor layers.1.attention.wv.weight has shape (16, 64) but the config implies (32, 64)"
+    assert one_line_error(excinfo) == (
+        f"{tmp_path}: tensor layers.1.attention.wv.weight has shape (16, 64) but the config implies (32, 64); "
+        "the config was not written for these weights: restore the one that came with them, or download or convert the checkpoint again"
+    )
+
+
+def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monkeypatch):
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import gguf_names, write_gguf
+    from llama2c_files import export
+    from llama_mini import quantize
+    from llama_mini.formats import gguf, hf, llama2c, meta, native, state_dict
+
+    model = tiny_model()
+    paths = {fmt: save_checkpoint(model, tmp_path / fmt, format=fmt) for fmt in ("native", "meta", "hf")}
+    paths["int8"] = save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "int8")
+    paths["gguf"] = write_gguf(tmp_path / "model.gguf", model.args, {n: (a, T.F32) for n, a in gguf_names(model).items()})
+    paths["llama2c-bin"] = tmp_path / "model.bin"
+    export(model, paths["llama2c-bin"], 1)
+    paths["llama2c-pt"] = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "model_args": TINY}, paths["llama2c-pt"])
+    checked = []
+    for reader in (gguf, hf, llama2c, meta, native):
+        monkeypatch.setattr(reader, "check_fits", lambda *a, **k: checked.append(a[2]) or state_dict.check_fits(*a, **k))
+    for fmt, path in paths.items():
+        checked.clear()
+        load_checkpoint(path)
+        assert checked == [path], fmt
 
 
 def test_config_that_disagrees_with_weights_is_refused(tmp_path):

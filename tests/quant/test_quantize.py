@@ -372,7 +372,7 @@ def test_a_quantized_checkpoint_loads_without_building_full_precision_layers(tmp
     for name in ("quantize_int8", "quantize_int4"):  # loading must read the stored codes, not quantize
         monkeypatch.setattr(layers, name, lambda *a, **k: pytest.fail("quantized at load"))
     loaded = load_checkpoint(tmp_path)
-    assert loaded.quantization == {"method": "int4", "group_size": 32, "layout": "rows-of-8"}
+    assert loaded.quantization == {"method": "int4", "group_size": 32}
     assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
     x = torch.tensor([[1, 2, 3]])
     assert torch.equal(loaded(x), model(x))
@@ -387,63 +387,6 @@ def test_a_quantized_checkpoint_refuses_other_formats_and_another_quantization(t
     with pytest.raises(ValueError, match="already quantized to int8"):
         load_checkpoint(tmp_path / "q", quantize="int4")
     assert isinstance(load_checkpoint(tmp_path / "q", quantize="int8").output, Int8Linear)
-
-
-def test_an_int4_checkpoint_in_an_older_layout_is_refused_in_one_line(tmp_path):
-    model = Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32))
-    save_checkpoint(quantize(model, "int4"), tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    del config["quantization"]["layout"]
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="holds int4 codes in an older layout; convert the checkpoint again"):
-        load_checkpoint(tmp_path)
-
-
-class PerRowInt8(torch.nn.Module):
-    """The function of an int8 layer with one scale per row, written out: quantized_activations(x) W^T."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x):
-        return F.linear(quantized_activations(x), self.weight).to(x.dtype)
-
-
-@pytest.mark.parametrize("method", ["int8", "int4"])  # int4 checkpoints hold an int8 head
-@pytest.mark.parametrize("rows", ["plain", "sets of eight"])
-def test_int8_checkpoints_with_a_scale_per_row_load_with_the_logits_they_gave(tmp_path, method, rows):
-    """int8 checkpoints written before scales came per block of 32 inputs hold one scale per row,
-    and their codes as plain rows (out, in) or, later, in sets of eight: they load in today's
-    layout, standing for the same weights, with the logits of their own function."""
-    from safetensors.torch import load_file, save_file
-
-    torch.manual_seed(0)
-    model = quantize(Transformer(ModelArgs(dim=64, n_layers=1, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32)), method)
-    save_checkpoint(model, tmp_path)
-    weights = next(tmp_path.glob("*.safetensors"))
-    state = load_file(weights)
-    old = {}  # each int8 layer as the per-row quantizer wrote it
-    for name, layer in model.named_modules():
-        if isinstance(layer, Int8Linear):
-            w = layer.dequantize(torch.float32)
-            scales = w.abs().amax(1) / 127
-            codes = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            old[name] = codes.float() * scales[:, None]
-            state[f"{name}.weight"], state[f"{name}.scales"] = (codes if rows == "plain" else pack_int8(codes)), scales
-    save_file(state, weights, metadata={"format": "pt"})
-    loaded = load_checkpoint(tmp_path)
-    assert loaded.output.weight.shape == (16, 512) and loaded.output.scales.shape == (16, 16)
-    reference = copy.deepcopy(loaded)
-    for name, w in old.items():
-        assert torch.equal(loaded.get_submodule(name).dequantize(torch.float32), w), name
-        parent, _, attribute = name.rpartition(".")
-        setattr(reference.get_submodule(parent), attribute, PerRowInt8(w))
-    x = torch.tensor([[1, 2, 3, 4, 5]])
-    with torch.inference_mode():
-        expected = reference(x)
-        assert torch.equal(loaded(x), expected)
-        torch.testing.assert_close(use_matvec(loaded)(x), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_keeps_plain_rows_for_shapes_the_kernel_does_not_take():

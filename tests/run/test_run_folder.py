@@ -2,6 +2,7 @@
 deletes only checkpoints it wrote (by step number), reads only checkpoints inside it, and a
 refused run leaves nothing behind. Bad flags are refused in one line, as a table."""
 
+import json
 import os
 import resource
 import shutil
@@ -304,13 +305,40 @@ def test_full_disk_while_writing_the_training_state_is_one_line_and_keeps_the_la
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(5))  # steps 3-4 ran, then the save failed
 
 
-def test_a_run_folder_from_before_run_json_resumes_and_prunes_its_own_checkpoints(tmp_path, data, finished_run):
+def test_a_run_records_its_format_and_a_run_json_without_one_resumes(tmp_path, data, finished_run):
+    """run.json without a format record was written by a llama_mini older than 0.1.0 in today's layout."""
+    from llama_mini.formats.record import FORMAT_VERSION
+
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    record = json.loads((out / "run.json").read_text())
+    assert (record["format_version"], record["llama_mini_version"]) == (FORMAT_VERSION, llama_mini.__version__)
+    (out / "run.json").write_text(json.dumps({"llama_mini_run": 1, "checkpoints": record["checkpoints"]}))
+    assert train(*data, *TINY, "--out", out, "--max-steps", 6, "--save-every", 2, "--keep-checkpoints", 1, "--resume") == 0
+    assert sorted(p.name for p in out.glob("step-*")) == ["step-000006"]
+
+
+def test_a_run_folder_from_before_run_json_is_refused_naming_the_version_and_the_fix(capsys, tmp_path, data, finished_run):
     out = tmp_path / "run"
     shutil.copytree(finished_run, out)
     (out / "run.json").unlink()
-    (out / "step-000001").mkdir()  # a user's: no training state in it
-    assert train(*data, *TINY, "--out", out, "--max-steps", 6, "--save-every", 2, "--keep-checkpoints", 1, "--resume") == 0
-    assert sorted(p.name for p in out.glob("step-*")) == ["step-000001", "step-000006"]
+    before = tree(out)
+    err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--resume")
+    assert err == (f"error: {out} was written by a llama_mini older than 0.1.0 (it has no format record) and has no run.json, "
+                   "the list of the checkpoints a run may prune; go on from its newest checkpoint in a new run: "
+                   f"--init-from {out / 'step-000004'} --out NEW_FOLDER")
+    assert tree(out) == before
+
+
+def test_a_run_folder_of_a_newer_format_is_refused_naming_the_version_that_wrote_it(capsys, tmp_path, data, finished_run):
+    out = tmp_path / "run"
+    shutil.copytree(finished_run, out)
+    record = json.loads((out / "run.json").read_text())
+    (out / "run.json").write_text(json.dumps({**record, "format_version": 99, "llama_mini_version": "5.0.0"}))
+    before = tree(out)
+    err = refused(capsys, *data, *TINY, "--out", out, "--max-steps", 6, "--resume")
+    assert err.startswith(f"error: {out / 'run.json'} was written by llama_mini 5.0.0 in format 99; this is llama_mini ")
+    assert err.endswith("upgrade llama_mini") and tree(out) == before
 
 
 @pytest.mark.parametrize("record", ['{"checkpoints": ["../../elsewhere"]}', '{"checkpoints": "step-000002"}', "[1, 2"])
