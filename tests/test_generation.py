@@ -5,19 +5,18 @@ import math
 import pytest
 import torch
 
-from llama_mini import ModelArgs, Transformer, generate
+from llama_mini import generate
 from llama_mini.generation import sample, stream_text, top_k_filter, top_p_filter
 from llama_mini.tokenizers import open_tokenizer
 
-from fixtures import LLAMA2_TOKENIZER, require
+from fixtures import LLAMA2_TOKENIZER, require, tiny_model
 
 
 
-def tiny_model(seed=0, **kw):
-    """float64, so that batched and unbatched runs agree to the last bit of every argmax."""
-    torch.manual_seed(seed)
-    args = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, multiple_of=16, max_seq_len=96)
-    return Transformer(ModelArgs(**{**args, **kw})).double().eval()
+def double_model(seed=0, **kw):
+    """The shared tiny model (tests/fixtures.py), smaller, in float64, so that batched and
+    unbatched runs agree to the last bit of every argmax."""
+    return tiny_model(seed, **{"dim": 32, "vocab_size": 64, "multiple_of": 16, "max_seq_len": 96, **kw}).double()
 
 
 def greedy_without_cache(model, prompt, n):
@@ -82,31 +81,31 @@ def test_sampling_follows_the_filtered_distribution():
 )
 def test_bad_sampling_arguments_are_refused(kw, message):
     with pytest.raises(ValueError, match=message):
-        generate(tiny_model(), [[1, 2]], 4, **kw)
+        generate(double_model(), [[1, 2]], 4, **kw)
 
 
 # --- generate ---------------------------------------------------------------------------------
 
 
 def test_greedy_generate_equals_rerunning_the_full_sequence():
-    model = tiny_model()
+    model = double_model()
     assert generate(model, [[1, 5, 9]], 20, temperature=0)[0] == greedy_without_cache(model, [1, 5, 9], 20)
 
 
 def test_ragged_batch_rows_equal_their_single_runs():
-    model = tiny_model()
+    model = double_model()
     prompts = [[1, 5, 9, 2, 33, 7, 8], [1, 40], [1, 3, 3, 3]]
     batched = generate(model, prompts, 12, temperature=0)
     assert batched == [greedy_without_cache(model, p, 12) for p in prompts]
 
 
 def test_without_eos_exactly_max_new_tokens_come_back():
-    out = generate(tiny_model(), [[1, 2, 3], [4]], 17, temperature=1.0, top_p=1.0, seed=0)
+    out = generate(double_model(), [[1, 2, 3], [4]], 17, temperature=1.0, top_p=1.0, seed=0)
     assert [len(row) for row in out] == [17, 17]
 
 
 def test_eos_stops_its_row_only():
-    model = tiny_model()
+    model = double_model()
     prompts = [[1, 5, 9], [1, 40]]
     free = generate(model, prompts, 20, temperature=0)
     eos = free[0][3]
@@ -115,7 +114,7 @@ def test_eos_stops_its_row_only():
 
 
 def test_several_stop_ids_stop_a_row_at_the_first_of_them():
-    model = tiny_model()
+    model = double_model()
     free = generate(model, [[1, 5, 9]], 20, temperature=0)[0]
     later, earlier = free[6], free[2]
     assert earlier not in free[:2] and later not in free[:6]
@@ -127,7 +126,7 @@ def test_stop_ids_given_as_tensors_or_numpy_integers_stop_as_ints_do():
     """The ids a user holds: tokenizer output as a tensor, an id read from a numpy array."""
     import numpy as np
 
-    model = tiny_model()
+    model = double_model()
     free = generate(model, [[1, 5, 9]], 20, temperature=0)[0]
     later, earlier = free[6], free[2]
     assert earlier not in free[:2] and later not in free[:6]
@@ -148,12 +147,12 @@ def test_a_temperature_too_small_for_the_logits_samples_their_argmax():
 
 
 def test_the_largest_seed_is_accepted():
-    out = generate(tiny_model(), [[1, 2]], 3, temperature=1.0, seed=2**64 - 1)
+    out = generate(double_model(), [[1, 2]], 3, temperature=1.0, seed=2**64 - 1)
     assert len(out[0]) == 3
 
 
 def test_same_seed_gives_same_tokens_and_leaves_global_rng_alone():
-    model = tiny_model()
+    model = double_model()
     rng = torch.get_rng_state()
     a = generate(model, [[1, 2, 3]], 30, temperature=1.0, seed=1234)
     b = generate(model, [[1, 2, 3]], 30, temperature=1.0, seed=1234)
@@ -163,7 +162,7 @@ def test_same_seed_gives_same_tokens_and_leaves_global_rng_alone():
 
 
 def test_cache_is_allocated_once_and_the_prompt_is_read_once(monkeypatch):
-    model = tiny_model()
+    model = double_model()
     calls, setups = [], []
     forward, setup_cache = model.forward, model.setup_cache
     monkeypatch.setattr(model, "forward", lambda tokens, start_pos=None, **kw: calls.append((tokens.shape[1], start_pos)) or forward(tokens, start_pos, **kw))
@@ -175,7 +174,7 @@ def test_cache_is_allocated_once_and_the_prompt_is_read_once(monkeypatch):
 
 
 def test_nan_weights_are_reported_not_sampled():
-    model = tiny_model()
+    model = double_model()
     with torch.no_grad():
         model.norm.weight[0] = float("nan")
     with pytest.raises(ValueError, match="logits at position 2 are NaN or infinite"):
@@ -185,7 +184,7 @@ def test_nan_weights_are_reported_not_sampled():
 def test_prompt_longer_than_context_is_refused_with_both_numbers():
     with pytest.raises(ValueError, match="prompt of 90 tokens \\+ 10 new tokens exceeds max_seq_len 96, the model's context; "
                                          "shorten the prompt or lower max_new_tokens"):
-        generate(tiny_model(), [[1] * 90], 10)
+        generate(double_model(), [[1] * 90], 10)
 
 
 # --- Streaming text ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import torch
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
 from llama_mini.formats.checkpoint import detect_format
 from llama_mini.tokenizers.spm import train_sentencepiece
+from fixtures import tiny_model
 from llama2c_files import export, quantize_q80
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,15 +26,8 @@ TOKENS = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(3
 
 
 def llama2c_model(shared=True, seed=0, n_kv_heads=2):
-    """A model as llama2.c's train.py builds one (multiple_of 32, GQA), norms made non-trivial."""
-    torch.manual_seed(seed)
-    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads, vocab_size=96, multiple_of=32,
-                                  max_seq_len=48, tie_embeddings=shared)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+    """The shared tiny model (tests/fixtures.py) as llama2.c's train.py builds one: multiple_of 32, GQA."""
+    return tiny_model(seed, n_kv_heads=n_kv_heads, max_seq_len=48, tie_embeddings=shared)
 
 
 def dequantized(model, group_size=64):
