@@ -97,7 +97,7 @@ def exported(tmp_path, tokenizer_path, vocab_size):
     return tmp_path / "vocab.gguf"
 
 
-@pytest.fixture(scope="module", params=[BPE, SPM])
+@pytest.fixture(scope="module", params=[pytest.param(BPE, marks=pytest.mark.slow), SPM])  # BPE: a 128,256-token export
 def export(request, tmp_path_factory):
     """(llama.cpp's file, Meta's tokenizer exported as a GGUF vocabulary, gguf's reader of it)."""
     meta, vocab_size = (LLAMA3_TOKENIZER, 128256) if request.param == BPE else (LLAMA2_TOKENIZER, 32000)
@@ -223,7 +223,9 @@ LLAMA_CPP_LLAMA3_REGEX_LABELS = ["llama3", "llama-v3", "llama-bpe", "falcon3", "
                                  "jina-v5-nano", "smaug-bpe", "dbrx"]
 
 
-@pytest.mark.parametrize("label", LLAMA_CPP_LLAMA3_REGEX_LABELS)
+# The quick suite reads the label Meta's converter writes; CI reads them all.
+@pytest.mark.parametrize("label", ["llama-bpe", *(pytest.param(label, marks=pytest.mark.slow)
+                                                 for label in LLAMA_CPP_LLAMA3_REGEX_LABELS if label != "llama-bpe")])
 def test_every_label_llama_cpp_reads_with_llama3s_regex_reads_as_llama3(tmp_path, label):
     """llama.cpp's converter labels a tokenizer.json that transformers made from Meta's ranks
     "smaug-bpe"; llama.cpp reads it, and the others here, with Llama-3's pre-tokenizer."""

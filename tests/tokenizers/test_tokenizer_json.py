@@ -62,9 +62,9 @@ def swap_merges_of_different_tokens(config):
     "edit, why",
     [
         (lambda c: c["pre_tokenizer"]["pretokenizers"][0]["pattern"].update(Regex=r"\w+|\s+"), "Meta's pre-tokenizer"),
-        (swap_merges_of_different_tokens, "merge rules"),
-        (lambda c: c["model"]["merges"].pop(5), "merge rules"),
-        (lambda c: c.update(added_tokens=[]), "special tokens"),
+        pytest.param(swap_merges_of_different_tokens, "merge rules", marks=pytest.mark.slow),  # each 2-3 s: CI's
+        pytest.param(lambda c: c["model"]["merges"].pop(5), "merge rules", marks=pytest.mark.slow),
+        pytest.param(lambda c: c.update(added_tokens=[]), "special tokens", marks=pytest.mark.slow),
         (lambda c: c.pop("model"), "layout"),
     ],
     ids=["another pattern", "merges reordered", "a merge missing", "no special tokens", "no model"],
