@@ -51,7 +51,7 @@ from llama_mini.generation import decode_one_token  # noqa: E402
 from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
 from llama_mini.kernels import use_fused_rmsnorm, use_matvec  # noqa: E402
 from llama_mini.model import KVCache  # noqa: E402
-from llama_mini.quant import quantize  # noqa: E402
+from llama_mini.quant import hold_plain_rows, quantize  # noqa: E402
 
 SIZES = {
     "tiny": dict(dim=64, n_layers=2, n_heads=4, multiple_of=32),
@@ -93,7 +93,7 @@ def llama_mini_variants(base: Transformer, kernels: bool = True) -> dict:
                 "int8": quantize(copy.deepcopy(base), "int8").to(torch.bfloat16),
                 "int4": quantize(copy.deepcopy(base), "int4").to(torch.bfloat16)}
     models = {"fp32": base, **variants}
-    return {name: use_matvec(use_fused_rmsnorm(model)) if kernels else model for name, model in models.items()}
+    return {name: use_matvec(use_fused_rmsnorm(model)) if kernels else hold_plain_rows(model) for name, model in models.items()}
 
 
 def transformers_model(base: Transformer, dtype):

@@ -8,8 +8,9 @@ activations times a weight matrix, in the same interleaved rounds. Figures are G
 whole model's layers at each row count (2 x rows x weights / time), medians over the rounds.
 
 --off-kernels times instead the int8 and int4 layers as they run off the kernels (a GPU, a Mac,
-an ARM CPU, --kernels off): each call dequantizes its weight, then multiplies in float32;
-eager and under torch.compile, one row (a decoding step) against F.linear on the float weights.
+an ARM CPU, --kernels off), in plain rows: eagerly each call dequantizes its weight, then
+multiplies in float32; under torch.compile one row is a single pass over the codes. One row (a
+decoding step) against F.linear on the float weights.
 
 The instruction set is named on every line: the kernels' (LLAMA_MINI_ISA, default native) and
 torch's (ATen's capability; MKL and oneDNN follow MKL_ENABLE_INSTRUCTIONS and
@@ -59,6 +60,8 @@ def off_kernels(sizes, rounds: int) -> None:
         runs = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
         for name, kind in (("int8", Int8Linear), ("int4", Int4Linear)):
             layers = [kind.from_weight(w) for w in weights]
+            for layer in layers:
+                layer.hold_plain_rows()  # as generate.py holds them off the kernels
             runs[name] = layers
             runs[f"{name} compiled"] = [torch.compile(layer) for layer in layers]
         runs["F.linear compiled"] = [torch.compile(lambda x, w=w: F.linear(x, w)) for w in weights]

@@ -9,7 +9,7 @@ from .cli import KERNELS
 from .device import DTYPES, bfloat16_notice, pick_device
 from .formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from .kernels import on_kernels, use_fused_rmsnorm, use_matvec
-from .quant import QUANTIZATIONS, parameter_count, quantized_notice
+from .quant import QUANTIZATIONS, hold_plain_rows, parameter_count, quantized_notice
 from .tokenizers import check_vocab_size, open_tokenizer
 
 
@@ -45,10 +45,12 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
         f"{model.tok_embeddings.weight.dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
+    if device.type == "cpu" and args.kernels == "auto" and not args.compile:
+        use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
+    if quantization and not on_kernels(model):
+        hold_plain_rows(model)
     if args.compile:
         model.compile(dynamic=True)
-    elif device.type == "cpu" and args.kernels == "auto":
-        use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
     if not on_kernels(model) and (notice := bfloat16_notice(device, model.tok_embeddings.weight.dtype, "--dtype")):
         print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
     if quantization and not args.compile and not on_kernels(model) and (notice := quantized_notice(model)):

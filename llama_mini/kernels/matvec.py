@@ -182,7 +182,7 @@ def kernel_operands(linear):
     if isinstance(linear, Int8Linear):
         operands = (linear.weight, linear.scales, None) if linear.rows_of_8 else None
     elif isinstance(linear, Int4Linear):
-        operands = linear.weight, linear.scales, linear.zeros
+        operands = (linear.weight, linear.scales, linear.zeros) if linear.rows_of_8 else None
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
         operands = linear.weight, None, None
     else:
@@ -221,8 +221,10 @@ def block_refusal(block, dtype) -> Optional[str]:
 
 def _layer_kind(linear) -> str:
     shape = f"{getattr(linear, 'in_features', '?')} -> {getattr(linear, 'out_features', '?')}"
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, Int8Linear) and not linear.stored_in_sets:
         return f"int8 of shape {shape} (the kernels take outputs in sets of 8 and inputs in blocks of 32)"
+    if isinstance(linear, (Int8Linear, Int4Linear)) and not linear.rows_of_8:
+        return f"{type(linear).__name__} holding plain rows (the kernels read rows in sets of 8)"
     if isinstance(linear, nn.Linear) and linear.bias is not None:
         return "a linear layer with a bias"
     if isinstance(linear, nn.Linear) and linear.weight.dtype not in FLOATS:

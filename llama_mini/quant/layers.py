@@ -9,8 +9,7 @@ with W the dequantized weight and quantized_activations(x) the input rounded to 
 of 32 along its features (llama.cpp's Q8_0 activations), whatever the number of rows, so a
 prompt's logits do not depend on what else is in its batch or how it was cut into calls. The
 arithmetic is float32 (autocast or not) and y has x's dtype. This is the definition the CPU
-kernels (kernels/matvec.py) are held to; here it is computed directly, with the weight
-dequantized on each call.
+kernels (kernels/matvec.py) are held to; here it is computed directly (quantized_linear).
 
 - int8: symmetric, one scale per row and block of 32 inputs (the last block shorter where the
   inputs are not a multiple of 32): w ~= q * scale, q in [-127, 127]. llama.cpp's Q8_0 at the
@@ -21,14 +20,20 @@ dequantized on each call.
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
   [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters.
 
-Codes, scales and zeros are held in the layout of layout.py where the shape allows it.
+Codes, scales and zeros are held in the layout of layout.py where the shape allows it: rows in
+sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
+holds its rows plainly instead (hold_plain_rows), and under torch.compile a decoding step's
+product is then one reduction over the codes (one_row), which the compiler turns into a single
+pass that reads each code once, where dequantizing first writes and reads a float matrix each
+step. state_dict gives the stored layout either way.
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int8, unpack_int4, unpack_int8
+from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int8, unpack_int4,
+                     unpack_int4_rows, unpack_int8)
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -55,14 +60,15 @@ def float32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as int8 codes and a scale (in the model's
-    dtype) per row and block of 32 inputs. Rows are held in sets of eight (layout.py) where
-    out_features % 8 == 0 and in_features % 32 == 0, as in every Llama matrix; other shapes
-    keep plain rows, (out_features, in_features) codes and (out_features, blocks) scales."""
+    dtype) per row and block of 32 inputs. Rows are stored in sets of eight (layout.py) where
+    out_features % 8 == 0 and in_features % 32 == 0, as in every Llama matrix; other shapes,
+    and every shape once hold_plain_rows is called, keep plain rows: (out_features,
+    in_features) codes and (out_features, blocks) scales."""
 
     def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.rows_of_8 = out_features % ROW_SET == 0 and in_features % BLOCK == 0
+        self.rows_of_8 = self.stored_in_sets = out_features % ROW_SET == 0 and in_features % BLOCK == 0
         blocks = -(-in_features // BLOCK)
         if self.rows_of_8:
             shape, scales = (out_features // ROW_SET, ROW_SET * in_features), (out_features // ROW_SET, blocks * ROW_SET)
@@ -95,6 +101,25 @@ class Int8Linear(nn.Module):
             w = torch.mul(codes.view(self.out_features, -1, BLOCK), scales[..., None]).view(self.out_features, self.in_features)
         return w.to(dtype or self.scales.dtype)
 
+    def hold_plain_rows(self) -> None:
+        """Codes (out_features, in_features) and scales (out_features, blocks) from now on."""
+        if self.rows_of_8:
+            self.weight, self.scales, self.rows_of_8 = self.codes(), self.block_scales(), False
+
+    def one_row(self, xq: torch.Tensor) -> torch.Tensor:
+        """xq W^T for one row xq (in_features) of quantized activations, held in plain rows and
+        in_features % 32 == 0, in float32: each block's two halves multiplied side by side
+        (two products per add in the compiled loop), times its scale, summed."""
+        blocks = self.in_features // BLOCK
+        codes, x = self.weight.view(-1, blocks, 2, BLOCK // 2), stored(xq, (1, blocks, 2, BLOCK // 2))
+        products = codes[:, :, 0].float() * x[:, :, 0] + codes[:, :, 1].float() * x[:, :, 1]
+        return (products * self.scales.float()[..., None]).sum((1, 2))
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.stored_in_sets and not self.rows_of_8:
+            destination[prefix + "weight"], destination[prefix + "scales"] = pack_int8(self.weight), interleave_rows(self.scales)
+
     def forward(self, x):
         return quantized_linear(self, x)
 
@@ -104,13 +129,15 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
-    each with a scale and a zero."""
+    each with a scale and a zero, rows in sets of eight (layout.py) or, once hold_plain_rows is
+    called, plain rows of two codes a byte."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                  dtype=torch.float32, device=None):
         super().__init__()
         check_int4_shape(in_features, out_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.rows_of_8 = True
         sets, groups = out_features // ROW_SET, in_features // group_size
         self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
@@ -125,10 +152,12 @@ class Int4Linear(nn.Module):
 
     def codes(self) -> torch.Tensor:
         """The codes 0..15 as uint8 (out_features, in_features)."""
-        return unpack_int4(self.weight)
+        return unpack_int4(self.weight) if self.rows_of_8 else unpack_int4_rows(self.weight)
 
     def group_scales_and_zeros(self):
         """(scales, zeros), each (out_features, groups)."""
+        if not self.rows_of_8:
+            return self.scales, self.zeros
         return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
@@ -139,6 +168,31 @@ class Int4Linear(nn.Module):
         w.mul_(scales.float()[..., None]).add_(zeros.float()[..., None])
         return w.view(self.out_features, self.in_features).to(dtype or scales.dtype)
 
+    def hold_plain_rows(self) -> None:
+        """Codes two a byte (out_features, in_features / 2, layout.pack_int4_rows), scales and
+        zeros (out_features, groups) from now on."""
+        if self.rows_of_8:
+            codes, (self.scales, self.zeros) = self.codes(), self.group_scales_and_zeros()
+            self.weight, self.rows_of_8 = pack_int4_rows(codes), False
+
+    def one_row(self, xq: torch.Tensor) -> torch.Tensor:
+        """xq W^T for one row xq (in_features) of quantized activations, held in plain rows, in
+        float32: per group, sum((q - 8) x) scale + sum(x) zero, with sum(q x) taken over each
+        block's low and high nibbles side by side, as int8's halves."""
+        groups = self.in_features // self.group_size
+        nibbles = self.weight.view(self.out_features, groups, -1, BLOCK // 2)  # row, group, block, byte
+        x = stored(xq, (1, groups, self.group_size // BLOCK, 2, BLOCK // 2))
+        products = ((nibbles & 0x0F).float() * x[..., 0, :] + (nibbles >> 4).float() * x[..., 1, :]).sum((2, 3))
+        x_sums = x.sum((2, 3, 4))
+        return ((products - 8 * x_sums) * self.scales.float() + x_sums * self.zeros.float()).sum(1)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if not self.rows_of_8:
+            scales, zeros = self.group_scales_and_zeros()
+            destination.update({prefix + "weight": pack_int4(self.codes()), prefix + "scales": interleave_rows(scales),
+                                prefix + "zeros": interleave_rows(zeros)})
+
     def forward(self, x):
         return quantized_linear(self, x)
 
@@ -148,9 +202,21 @@ class Int4Linear(nn.Module):
 
 def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor:
     """An integer layer's function, computed directly: quantized_activations(x) W^T in float32,
-    with W dequantized for the call, in x's dtype. Off the CPU kernels this is what runs: a pass
-    over the codes to make W, then the float product (quantized_layer_cost measures what it costs)."""
-    return float32_linear(quantized_activations(x), layer.dequantize(torch.float32)).to(x.dtype)
+    in x's dtype. Off the CPU kernels this is what runs: under torch.compile, one row of a layer
+    held in plain rows goes through one_row; otherwise W is dequantized for the call, then
+    multiplied (quantized_notice says what that costs)."""
+    xq = quantized_activations(x)
+    if (torch.compiler.is_compiling() and not layer.rows_of_8 and layer.in_features % BLOCK == 0
+            and x.shape[:-1].numel() == 1):
+        return layer.one_row(xq).view(*x.shape[:-1], -1).to(x.dtype)
+    return float32_linear(xq, layer.dequantize(torch.float32)).to(x.dtype)
+
+
+def stored(xq: torch.Tensor, shape) -> torch.Tensor:
+    """One row of activations, viewed as `shape`, through as_strided: a view the compiler can only
+    take of memory, so under torch.compile the activations are computed and stored once, where
+    the compiler would otherwise recompute them inside the loop, for every row of the weight."""
+    return xq.contiguous().as_strided(shape, torch.empty(shape, device="meta").stride())
 
 
 def check_int4_shape(in_features: int, out_features: int, group_size: int) -> None:

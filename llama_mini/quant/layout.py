@@ -7,6 +7,11 @@ bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u 
 and 8c + 4 + u in its high nibble. The scales (int8's per block of 32 inputs, int4's per group)
 and int4's zeros likewise hold the eight rows of a set side by side. Loading a checkpoint is
 then a plain read.
+
+Off the kernels the layers hold their rows plainly instead (layers.py), the layout the loops
+torch.compile writes read in order: int8 codes (n, k), and int4 codes two to a byte, byte j of
+each block of 32 inputs holding input j in its low nibble and input 16 + j in its high one
+(llama.cpp's Q4_0 order), with the scales and zeros one row each.
 """
 
 import torch
@@ -44,6 +49,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     runs = packed.contiguous().view(torch.int32).view(sets, k // BLOCK, 4, ROW_SET).permute(0, 3, 1, 2)  # set, row, block, run
     low, high = runs & 0x0F0F0F0F, (runs >> 4) & 0x0F0F0F0F
     return torch.stack((low, high), dim=-1).view(torch.uint8).view(sets * ROW_SET, k)
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 (n, k), k % 32 == 0 -> plain rows of bytes (n, k / 2)."""
+    n, k = codes.shape
+    halves = codes.view(n, k // BLOCK, 2, BLOCK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_int4_rows(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4_rows' inverse: (n, k / 2) bytes -> codes (n, k)."""
+    n, half = packed.shape
+    blocks = packed.view(n, -1, BLOCK // 2)
+    return torch.stack((blocks & 0x0F, blocks >> 4), dim=2).view(n, 2 * half)
 
 
 def interleave_rows(t: torch.Tensor) -> torch.Tensor:

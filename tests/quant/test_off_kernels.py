@@ -1,0 +1,135 @@
+"""The integer layers off the CPU kernels (a GPU, a Mac, an ARM CPU, --kernels off): held in
+plain rows, they compute the same function, store the same checkpoint, and under torch.compile
+a decoding step is one pass over the codes (layers.one_row)."""
+
+import argparse
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fixtures import tiny_model
+from llama_mini import load_checkpoint, save_checkpoint
+from llama_mini.inference import load_model
+from llama_mini.kernels import matvec, use_matvec
+from llama_mini.quant import hold_plain_rows, quantize, quantized_notice
+from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activations
+from llama_mini.quant.layout import pack_int4_rows, unpack_int4_rows
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+LAYERS = [(Int8Linear, {}), (Int4Linear, {"group_size": 32}), (Int4Linear, {"group_size": 64}),
+          (Int4Linear, {"group_size": 128})]
+
+
+def layer_of(kind, options, seed=0, shape=(48, 256)):
+    g = torch.Generator().manual_seed(seed)
+    return kind.from_weight(torch.randn(*shape, generator=g) * torch.logspace(-2, 0, shape[0])[:, None], **options)
+
+
+def test_int4_plain_rows_hold_input_j_and_16_plus_j_of_each_block_in_one_byte():
+    codes = torch.arange(64, dtype=torch.uint8).remainder(16).view(1, 64).repeat(2, 1)
+    codes[1] = codes[1].flip(0)
+    packed = pack_int4_rows(codes)
+    assert packed.shape == (2, 32)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 16] << 4) and packed[0, 16] == codes[0, 32] | (codes[0, 48] << 4)
+    assert torch.equal(unpack_int4_rows(packed), codes)
+
+
+@pytest.mark.parametrize("kind, options", LAYERS)
+def test_plain_rows_compute_the_same_weight_and_store_the_same_tensors(kind, options):
+    layer = layer_of(kind, options)
+    stored = {name: t.clone() for name, t in layer.state_dict().items()}
+    weight = layer.dequantize(torch.float32)
+    layer.hold_plain_rows()
+    assert not layer.rows_of_8 and layer.weight.shape[0] == 48  # a row per row
+    assert torch.equal(layer.dequantize(torch.float32), weight)
+    again = layer.state_dict()
+    assert again.keys() == stored.keys() and all(torch.equal(again[name], stored[name]) for name in stored)
+
+
+def test_a_model_holding_plain_rows_saves_the_checkpoint_it_was_loaded_from(tmp_path):
+    model = quantize(tiny_model(), "int4")
+    save_checkpoint(model, tmp_path / "sets")
+    loaded = hold_plain_rows(load_checkpoint(tmp_path / "sets"))
+    save_checkpoint(loaded, tmp_path / "again")
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "sets" / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    tokens = torch.tensor([[1, 5, 9, 2]])
+    torch.testing.assert_close(loaded(tokens), model(tokens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind, options", LAYERS)
+def test_one_row_is_the_definition_within_float_rounding_nan_included(kind, options):
+    layer = layer_of(kind, options)
+    definition = layer.dequantize(torch.float32)
+    layer.hold_plain_rows()
+    x = torch.randn(1, 1, 256, generator=torch.Generator().manual_seed(1))
+    xq = quantized_activations(x)
+    torch.testing.assert_close(layer.one_row(xq.view(-1)), F.linear(xq, definition).view(-1), rtol=1e-5, atol=1e-5)
+    x[..., 100] = float("nan")  # a NaN block scale reaches every output, as in the definition
+    assert layer.one_row(quantized_activations(x).view(-1)).isnan().all()
+    assert F.linear(quantized_activations(x), definition).isnan().all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, options", [LAYERS[0], LAYERS[2]])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_a_decoding_step_goes_through_one_row_and_gives_the_definition(kind, options, dtype, monkeypatch):
+    layer = layer_of(kind, options).to(dtype)
+    definition = layer.dequantize(torch.float32)
+    layer.hold_plain_rows()
+    traced = []
+    one_row = kind.one_row
+    monkeypatch.setattr(kind, "one_row", lambda self, xq: traced.append(xq.shape) or one_row(self, xq))
+    compiled = torch.compile(layer, dynamic=True)
+    torch._dynamo.reset()
+    tolerance = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    with torch.inference_mode():
+        for rows in (1, 5):  # a decoding step, then a prompt (dequantized, then multiplied)
+            x = torch.randn(1, rows, 256).to(dtype)
+            y = compiled(x)
+            assert y.dtype == dtype
+            torch.testing.assert_close(y.float(), F.linear(quantized_activations(x), definition), **tolerance)
+            assert len(traced) == 1  # the step traced one_row; the prompt did not
+    torch._dynamo.reset()
+
+
+def test_the_kernels_leave_a_layer_holding_plain_rows_to_torch_and_say_why():
+    model = hold_plain_rows(quantize(tiny_model(), "int4"))
+    layer = model.layers[0].attention.wq
+    assert matvec.kernel_operands(layer) is None
+    if matvec.operators() is not None:  # where the kernels load: the block is named, with the reason
+        assert "holding plain rows" in matvec.block_refusal(model.layers[0], torch.float32)
+        tokens = torch.tensor([[1, 5, 9, 2]])
+        expected = model(tokens)
+        use_matvec(model)
+        assert not matvec.on_kernels(model)
+        assert torch.equal(model(tokens), expected)  # each layer's own function, as before
+
+
+def loaded(tmp_path, kernels, compile_=False):
+    save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "ckpt")
+    args = argparse.Namespace(ckpt=str(tmp_path / "ckpt"), tokenizer=None, dtype=None, quantize=None, device="cpu",
+                              compile=compile_, kernels=kernels)
+    return load_model(args, tmp_path / "ckpt", "native", argparse.Namespace(model_path=None), max_seq_len=None)
+
+
+def test_generate_holds_plain_rows_off_the_kernels_and_sets_on_them(tmp_path, monkeypatch):
+    monkeypatch.setattr("llama_mini.inference.check_vocab_size", lambda *a: None)
+    off = loaded(tmp_path / "off", "off")
+    assert all(not m.rows_of_8 for m in off.modules() if isinstance(m, Int8Linear))
+    if matvec.operators() is not None:
+        on = loaded(tmp_path / "on", "auto")
+        assert all(m.rows_of_8 for m in on.modules() if isinstance(m, Int8Linear))
+
+
+def test_the_notice_gives_the_measured_cost_and_the_way_out(monkeypatch):
+    model = quantize(tiny_model(), "int8")
+    monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
+    assert quantized_notice(model) == (
+        "note: here int8 layers take 18x the time of float ones in a decoding step (off the CPU kernels each step "
+        "dequantizes them): --quantize int8 saves memory, not time, unless you add --compile")
+    monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 1.2)
+    assert quantized_notice(model) is None
+    assert quantized_notice(tiny_model()) is None  # no integer layers
