@@ -18,6 +18,10 @@ ONEDNN_MAX_CPU_ISA). To run both as a CPU with AVX2 and no AVX-512 would, on one
 
     LLAMA_MINI_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \\
         python bench/linear_speed.py --sizes 110M 1B --threads 2
+
+torch.compile (--off-kernels) writes its loops for ATen's capability too; give it a cache of its
+own (TORCHINDUCTOR_CACHE_DIR=/tmp/avx2-cache): torch's compile cache does not tell the two apart,
+and code cached for AVX-512 computes wrong numbers when run as AVX2.
 """
 
 import argparse
@@ -53,7 +57,8 @@ def off_kernels(sizes, rounds: int) -> None:
 
     torch._dynamo.config.recompile_limit = 64  # one graph per layer shape and type
     g = torch.Generator().manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, off the kernels, one row; median of {rounds} rounds")
+    print(f"torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), {torch.get_num_threads()} threads, "
+          f"off the kernels, one row; median of {rounds} rounds")
     for size in sizes:
         weights = [torch.randn(n, k, generator=g) for n, k in SHAPES[size]]
         xs = [torch.randn(1, w.shape[1], generator=g) for w in weights]

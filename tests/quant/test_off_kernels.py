@@ -3,6 +3,10 @@ plain rows, they compute the same function, store the same checkpoint, and under
 a decoding step is one pass over the codes (layers.one_row)."""
 
 import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,7 @@ from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activation
 from llama_mini.quant.layout import pack_int4_rows, unpack_int4_rows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [(Int8Linear, {}), (Int4Linear, {"group_size": 32}), (Int4Linear, {"group_size": 64}),
           (Int4Linear, {"group_size": 128})]
@@ -95,6 +100,18 @@ def test_compiled_a_decoding_step_goes_through_one_row_and_gives_the_definition(
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="this CPU's own code is the AVX2 code")
+def test_compiled_a_decoding_step_gives_the_definition_in_torchs_avx2_code_too(tmp_path):
+    """torch.compile writes its loops for the CPU's vector width: eight lanes on AVX2, the CPU
+    most users hold. The compiler's cache is a new one: code cached for AVX-512 must not be
+    reused for AVX2 (the cache would hand it over, and its loads of sixteen lanes read eight)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/quant/test_off_kernels.py",
+                             "-k", "goes_through_one_row"], capture_output=True, text=True, cwd=ROOT, env=env, timeout=1200)
+    assert result.returncode == 0 and "4 passed" in result.stdout, result.stdout[-5000:] + result.stderr[-2000:]
+
+
 def test_the_kernels_leave_a_layer_holding_plain_rows_to_torch_and_say_why():
     model = hold_plain_rows(quantize(tiny_model(), "int4"))
     layer = model.layers[0].attention.wq
@@ -126,10 +143,22 @@ def test_generate_holds_plain_rows_off_the_kernels_and_sets_on_them(tmp_path, mo
 
 def test_the_notice_gives_the_measured_cost_and_the_way_out(monkeypatch):
     model = quantize(tiny_model(), "int8")
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
     assert quantized_notice(model) == (
         "note: here int8 layers take 18x the time of float ones in a decoding step (off the CPU kernels each step "
         "dequantizes them): --quantize int8 saves memory, not time, unless you add --compile")
+    assert quantized_notice(model, compiled=True) is None  # torch's AVX-512 code: as fast as float
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 1.2)
     assert quantized_notice(model) is None
     assert quantized_notice(tiny_model()) is None  # no integer layers
+
+
+def test_compiled_on_torchs_narrower_cpu_code_the_notice_says_integer_layers_are_slower(monkeypatch):
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")
+    monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
+    int4 = quantize(tiny_model(), "int4")
+    assert quantized_notice(int4, compiled=True) == (
+        "note: compiled with torch's AVX2 CPU code, int4 layers decode slower than float ones (measured on AVX2: "
+        "0.4x their speed): --quantize int4 saves memory, not time")
+    assert quantized_notice(int4).endswith("--quantize int4 saves memory, not time")  # --compile is no way out here
