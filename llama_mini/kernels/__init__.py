@@ -1,14 +1,16 @@
 """CPU kernels, each applied to a built model from outside by one call; nothing in the core imports them.
 
     use_fused_rmsnorm(model)   RMSNorm in one pass over memory each way (fused_rmsnorm.py)
+    use_fused_swiglu(model)    the feed-forward's gate in one pass each way, for training (fused_swiglu.py)
     use_matvec(model)          linear layers and blocks on the CPU kernels, for prompts and decoding steps (matvec.py)
 
 Each swaps modules for subclasses that compute the same function faster, keeping every weight
-and state-dict name. Both kernels compile into one library, once per machine, when first
+and state-dict name. The kernels compile into one library, once per machine, when first
 applied (build.py); importing this package compiles and loads nothing.
 """
 
 from .fused_rmsnorm import FusedRMSNorm, use_fused_rmsnorm
+from .fused_swiglu import FusedFeedForward, use_fused_swiglu
 from .matvec import on_kernels, use_matvec
 
-__all__ = ["FusedRMSNorm", "on_kernels", "use_fused_rmsnorm", "use_matvec"]
+__all__ = ["FusedFeedForward", "FusedRMSNorm", "on_kernels", "use_fused_rmsnorm", "use_fused_swiglu", "use_matvec"]

@@ -17,6 +17,7 @@ import torch
 
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.kernels import FusedRMSNorm, build, fused_rmsnorm, use_fused_rmsnorm
+from fixtures import assert_swapped_layers_keep_the_function
 
 EPS = 1e-5
 KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RMSNormFunction>"  # kernels/csrc/rms_norm_op.cpp
@@ -163,23 +164,8 @@ def test_a_saved_model_records_no_implementation_and_loads_plain(tmp_path):
 @requires_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_model_with_the_fused_norm_equals_the_plain_model(dtype):
-    """Logits and every gradient, on prompts of 1, 17 and 64 rows, partial RMSNorm included."""
-    torch.manual_seed(0)
-    args = dict(dim=64, n_layers=2, n_heads=4, vocab_size=50, norm="prmsnorm", norm_p=0.25, max_seq_len=64)
-    plain = Transformer(ModelArgs(**args)).to(dtype)
-    fused = Transformer(ModelArgs(**args)).to(dtype)
-    fused.load_state_dict(plain.state_dict())
-    use_fused_rmsnorm(fused)
-    tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
-    for batch, rows in ((1, 1), (3, 17), (2, 64)):
-        tokens = torch.randint(0, 50, (batch, rows))
-        expected, got = plain(tokens), fused(tokens)
-        torch.testing.assert_close(got, expected, **tolerance)
-        expected.float().square().mean().backward()
-        got.float().square().mean().backward()
-        for (name, a), b in zip(plain.named_parameters(), fused.parameters()):
-            torch.testing.assert_close(b.grad.float(), a.grad.float(), **tolerance, msg=name)
-        plain.zero_grad(), fused.zero_grad()
+    """Logits and every gradient, on batches of 1, 17 and 64 rows, partial RMSNorm included."""
+    assert_swapped_layers_keep_the_function(use_fused_rmsnorm, dtype, norm="prmsnorm", norm_p=0.25)
 
 
 @requires_kernel

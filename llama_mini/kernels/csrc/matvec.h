@@ -56,3 +56,6 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
 // SwiGLU's gate: out = silu(a) * b for n elements, float32 or bfloat16 (bf16), each element
 // computed alike wherever it sits (swiglu.cpp).
 extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int bf16, int threads);
+// Its gradients: da, db from dout (each of n elements, a's dtype).
+extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int bf16,
+                                int threads);

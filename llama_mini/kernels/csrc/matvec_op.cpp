@@ -1,12 +1,15 @@
 // The torch operators llama_mini::linear_dense, linear_int8 and linear_int4 over the kernels of
-// matvec.cpp (y = x W^T for any number of rows of x, in x's dtype), and attention over
-// attention.cpp's. Inference only (no autograd); the Python side calls them without gradients
-// and runs the layers' own code otherwise.
+// matvec.cpp (y = x W^T for any number of rows of x, in x's dtype), attention over
+// attention.cpp's, and swiglu over swiglu.cpp's. Inference only (no autograd), but for swiglu,
+// which training runs too (kernels/fused_swiglu.py), its autograd node in C++ as rms_norm's
+// (rms_norm_op.cpp says why C++); the Python side calls the others without gradients and runs
+// the layers' own code otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -141,6 +144,31 @@ at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b) {
     return out;
 }
 
+// Saves a and b for backward, which recomputes silu(a) from them.
+struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& a, const at::Tensor& b) {
+        const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+        ctx->save_for_backward({ac, bc});
+        return swiglu_op(ac, bc);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        // Written by the kernel, outside autograd: differentiating them again would give zero.
+        TORCH_CHECK(!at::GradMode::is_enabled(), "llama_mini::swiglu: the fused backward cannot be "
+                    "differentiated again; leave use_fused_swiglu out for higher-order gradients");
+        const torch::autograd::variable_list saved = ctx->get_saved_variables();
+        const at::Tensor &a = saved[0], &b = saved[1], dout = grads[0].contiguous();
+        at::Tensor da = at::empty_like(a), db = at::empty_like(b);
+        ::swiglu_backward(a.const_data_ptr(), b.const_data_ptr(), dout.const_data_ptr(), da.mutable_data_ptr(),
+                          db.mutable_data_ptr(), a.numel(), is_bf16(a),
+                          a.numel() * 16 >= PARALLEL_MIN_WORK ? at::get_num_threads() : 1);
+        return {da, db};
+    }
+};
+
+at::Tensor swiglu_autograd(const at::Tensor& a, const at::Tensor& b) { return SwiGLUFunction::apply(a, b); }
+
 // q (B, T, heads, d), k and v (B, T, kv_heads, d): the new positions', as the linear layers
 // give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B'; cos, sin (T, d) float32.
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
@@ -194,3 +222,4 @@ TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("swiglu", llama_mini::swiglu_op);
     m.impl("attention", llama_mini::attention_op);
 }
+TORCH_LIBRARY_IMPL(llama_mini, AutogradCPU, m) { m.impl("swiglu", llama_mini::swiglu_autograd); }

@@ -1,0 +1,45 @@
+"""Fused SwiGLU for training on the CPU, applied from outside: use_fused_swiglu(model).
+
+FeedForward's gate, silu(w1 x) * w3 x, is two eager operations, each a pass over the hidden
+activations, and autograd replays three in backward (mul, silu_backward, mul): on a CPU about a
+tenth of a small model's training step (docs/train_vs_nanogpt.md). The kernels' swiglu
+operator (csrc/swiglu.cpp) computes it in one pass each way, with its autograd node in C++.
+
+Its silu is the kernels' own (every element computed alike, within 2 ulp of expf), as on the
+kernels' decoding path; torch's rounds a tensor's last few elements differently. The same
+function, other roundings: a run with it is not bit for bit one without it, and resumes
+exactly, as every element's result depends on nothing but its inputs.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..model import FeedForward
+from .matvec import FLOATS, operators
+
+
+class FusedFeedForward(FeedForward):
+    """FeedForward whose gate runs the kernels' swiglu on CPU float32 and bfloat16; its own
+    code elsewhere, and under torch.compile (Inductor fuses it by itself)."""
+
+    def forward(self, x):
+        a, b = self.w1(x), self.w3(x)
+        if a.is_cpu and a.dtype in FLOATS and a.dtype == b.dtype and not torch.compiler.is_compiling():
+            return self.w2(torch.ops.llama_mini.swiglu(a, b))
+        return self.w2(F.silu(a) * b)
+
+
+def use_fused_swiglu(model: nn.Module) -> nn.Module:
+    """Run model's feed-forward gates fused where the CPU kernels load; returns model.
+
+    Each FeedForward becomes a FusedFeedForward (its class is swapped: the weights and
+    state-dict names stay). Loads the kernels now (building them once per machine); where they
+    cannot run (no AVX2, another device) the model is left as it is.
+    """
+    layers = [m for m in model.modules() if type(m) is FeedForward]
+    if not layers or layers[0].w1.weight.device.type != "cpu" or operators() is None:
+        return model
+    for layer in layers:
+        layer.__class__ = FusedFeedForward
+    return model
