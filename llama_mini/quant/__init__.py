@@ -81,9 +81,12 @@ def _linears(model: nn.Module, kind=nn.Linear):
             if isinstance(child, kind)]
 
 
-# A compiled decoding step of a 110M model against the compiled float model, with torch's AVX2
-# code (docs/generate_speed.md): its loops read int8 eight at a time, through a copy each.
-COMPILED_SPEED_ON_AVX2 = {"int8": 0.51, "int4": 0.40}
+# Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster
+# (layers.one_row; docs/generate_speed.md).
+FAST_COMPILED_CPU_CODE = ("AVX512", "AVX2")
+# Elsewhere, the layers of a 110M model against F.linear, compiled with torch's plain x86 code
+# (no vector instructions of its own): measured, the figure the notice gives.
+COMPILED_SPEED_PLAIN_CPU = {"int8": 0.50, "int4": 0.55}
 
 
 def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool = False) -> Optional[str]:
@@ -91,18 +94,19 @@ def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool 
     for, on this device, as they run, and that they save memory rather than time; None where
     they cost nothing or model holds none. Eagerly (off the CPU kernels, each call dequantizes
     its weight) the cost is measured here. Compiled, a decoding step reads the codes in one pass
-    (layers.py), as fast as float with torch's AVX-512 code and slower with its narrower CPU code."""
+    (layers.py), as fast as float with torch's AVX-512 and AVX2 code, slower with its plain code."""
     layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))), None)
     if layer is None:
         return None
     method = "int8" if isinstance(layer, Int8Linear) else "int4"
     isa = torch.backends.cpu.get_cpu_capability()
-    fast_compiled = layer.scales.device.type != "cpu" or isa == "AVX512"
+    fast_compiled = layer.scales.device.type != "cpu" or isa in FAST_COMPILED_CPU_CODE
     if compiled:
         if fast_compiled:
             return None
-        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones (measured on "
-                f"AVX2: {COMPILED_SPEED_ON_AVX2[method]}x their speed): {flag} {method} saves memory, not time")
+        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones (measured "
+                f"with its plain x86 code: {COMPILED_SPEED_PLAIN_CPU[method]}x their speed): {flag} {method} saves "
+                "memory, not time")
     if (slowdown := quantized_slowdown(layer)) < 1.5:
         return None
     return (f"note: here {method} layers take {slowdown:.0f}x the time of float ones in a decoding step (off the CPU "

@@ -37,6 +37,10 @@ from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_in
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
+# With torch's AVX2 CPU code the compiled loops are eight floats wide and read int8 codes eight
+# at a time through a buffer, three times slower than float; one_row then reads the codes as
+# int32 words, eight a vector. With its AVX-512 code the bytes read directly are faster.
+CODES_AS_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
@@ -109,10 +113,22 @@ class Int8Linear(nn.Module):
     def one_row(self, xq: torch.Tensor) -> torch.Tensor:
         """xq W^T for one row xq (in_features) of quantized activations, held in plain rows and
         in_features % 32 == 0, in float32: each block's two halves multiplied side by side
-        (two products per add in the compiled loop), times its scale, summed."""
+        (two products per add in the compiled loop), times its scale, summed; by words where
+        torch's CPU code is AVX2."""
+        if xq.is_cpu and CODES_AS_WORDS:
+            return self.one_row_by_words(xq)
         blocks = self.in_features // BLOCK
         codes, x = self.weight.view(-1, blocks, 2, BLOCK // 2), stored(xq, (1, blocks, 2, BLOCK // 2))
         products = codes[:, :, 0].float() * x[:, :, 0] + codes[:, :, 1].float() * x[:, :, 1]
+        return (products * self.scales.float()[..., None]).sum((1, 2))
+
+    def one_row_by_words(self, xq: torch.Tensor) -> torch.Tensor:
+        """one_row with each block's codes read as eight int32 words: code j of word i is input
+        4i + j, sign-extended by two shifts, and meets x[j] (four rows of x, one per j)."""
+        blocks = self.in_features // BLOCK
+        words = self.weight.view(torch.int32).view(self.out_features, blocks, BLOCK // 4)
+        x = stored(xq.reshape(blocks, BLOCK // 4, 4).permute(2, 0, 1), (4, blocks, BLOCK // 4))
+        products = sum(((words << 24 - 8 * j) >> 24).float() * x[j] for j in range(4))
         return (products * self.scales.float()[..., None]).sum((1, 2))
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -178,13 +194,29 @@ class Int4Linear(nn.Module):
     def one_row(self, xq: torch.Tensor) -> torch.Tensor:
         """xq W^T for one row xq (in_features) of quantized activations, held in plain rows, in
         float32: per group, sum((q - 8) x) scale + sum(x) zero, with sum(q x) taken over each
-        block's low and high nibbles side by side, as int8's halves."""
+        block's low and high nibbles side by side, as int8's halves; by words where torch's CPU
+        code is AVX2 and in_features % 64 == 0."""
+        if xq.is_cpu and CODES_AS_WORDS and self.in_features % 64 == 0:
+            return self.one_row_by_words(xq)
         groups = self.in_features // self.group_size
         nibbles = self.weight.view(self.out_features, groups, -1, BLOCK // 2)  # row, group, block, byte
         x = stored(xq, (1, groups, self.group_size // BLOCK, 2, BLOCK // 2))
         products = ((nibbles & 0x0F).float() * x[..., 0, :] + (nibbles >> 4).float() * x[..., 1, :]).sum((2, 3))
         x_sums = x.sum((2, 3, 4))
         return ((products - 8 * x_sums) * self.scales.float() + x_sums * self.zeros.float()).sum(1)
+
+    def one_row_by_words(self, xq: torch.Tensor) -> torch.Tensor:
+        """one_row with the codes read as int32 words, eight a vector (64 inputs): byte j of word
+        i of a block holds inputs 4i + j (low nibble) and 16 + 4i + j (high), and each word's
+        products take its group's scale; sum over (q - 8) x scale + x zero, as one_row."""
+        n, k, group = self.out_features, self.in_features, self.group_size
+        words = self.weight.view(torch.int32).view(n, k // 64, 8)
+        x = stored(xq.reshape(k // BLOCK, 2, 4, 4).permute(1, 3, 0, 2), (2, 4, k // 64, 8))  # nibble, byte, words
+        scales = self.scales.float()[..., None].expand(-1, -1, group // 8).reshape(n, k // 64, 8)
+        products = sum(((words >> 8 * j) & 0x0F).float() * x[0, j] + ((words >> 8 * j + 4) & 0x0F).float() * x[1, j]
+                       for j in range(4))
+        x_sums = stored(xq, (k // group, group)).sum(1)
+        return (products * scales).sum((1, 2)) + ((self.zeros.float() - 8 * self.scales.float()) * x_sums).sum(1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -17,6 +17,7 @@ from llama_mini import load_checkpoint, save_checkpoint
 from llama_mini.inference import load_model
 from llama_mini.kernels import matvec, use_matvec
 from llama_mini.quant import hold_plain_rows, quantize, quantized_notice
+from llama_mini.quant import layers
 from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activations
 from llama_mini.quant.layout import pack_int4_rows, unpack_int4_rows
 
@@ -65,7 +66,12 @@ def test_a_model_holding_plain_rows_saves_the_checkpoint_it_was_loaded_from(tmp_
 
 
 @pytest.mark.parametrize("kind, options", LAYERS)
-def test_one_row_is_the_definition_within_float_rounding_nan_included(kind, options):
+@pytest.mark.parametrize("words", [False, True], ids=["bytes", "words"])
+def test_one_row_is_the_definition_within_float_rounding_nan_included(kind, options, words, monkeypatch):
+    """In both of its forms: the codes read as bytes, and as int32 words (torch's AVX2 CPU code)."""
+    monkeypatch.setattr(layers, "CODES_AS_WORDS", words)
+    by_words, calls = kind.one_row_by_words, []
+    monkeypatch.setattr(kind, "one_row_by_words", lambda self, xq: calls.append(xq) or by_words(self, xq))
     layer = layer_of(kind, options)
     definition = layer.dequantize(torch.float32)
     layer.hold_plain_rows()
@@ -75,6 +81,7 @@ def test_one_row_is_the_definition_within_float_rounding_nan_included(kind, opti
     x[..., 100] = float("nan")  # a NaN block scale reaches every output, as in the definition
     assert layer.one_row(quantized_activations(x).view(-1)).isnan().all()
     assert F.linear(quantized_activations(x), definition).isnan().all()
+    assert len(calls) == (2 if words else 0)
 
 
 @pytest.mark.slow
@@ -141,24 +148,25 @@ def test_generate_holds_plain_rows_off_the_kernels_and_sets_on_them(tmp_path, mo
         assert all(m.rows_of_8 for m in on.modules() if isinstance(m, Int8Linear))
 
 
-def test_the_notice_gives_the_measured_cost_and_the_way_out(monkeypatch):
+@pytest.mark.parametrize("isa", ["AVX512", "AVX2"])
+def test_the_notice_gives_the_measured_cost_and_the_way_out(isa, monkeypatch):
     model = quantize(tiny_model(), "int8")
-    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: isa)
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
     assert quantized_notice(model) == (
         "note: here int8 layers take 18x the time of float ones in a decoding step (off the CPU kernels each step "
         "dequantizes them): --quantize int8 saves memory, not time, unless you add --compile")
-    assert quantized_notice(model, compiled=True) is None  # torch's AVX-512 code: as fast as float
+    assert quantized_notice(model, compiled=True) is None  # torch's AVX-512 and AVX2 code: as fast as float
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 1.2)
     assert quantized_notice(model) is None
     assert quantized_notice(tiny_model()) is None  # no integer layers
 
 
-def test_compiled_on_torchs_narrower_cpu_code_the_notice_says_integer_layers_are_slower(monkeypatch):
-    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "AVX2")
+def test_compiled_on_torchs_plain_cpu_code_the_notice_says_integer_layers_are_slower(monkeypatch):
+    monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "DEFAULT")
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
     int4 = quantize(tiny_model(), "int4")
     assert quantized_notice(int4, compiled=True) == (
-        "note: compiled with torch's AVX2 CPU code, int4 layers decode slower than float ones (measured on AVX2: "
-        "0.4x their speed): --quantize int4 saves memory, not time")
+        "note: compiled with torch's DEFAULT CPU code, int4 layers decode slower than float ones (measured with its "
+        "plain x86 code: 0.55x their speed): --quantize int4 saves memory, not time")
     assert quantized_notice(int4).endswith("--quantize int4 saves memory, not time")  # --compile is no way out here
