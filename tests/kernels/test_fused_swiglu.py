@@ -88,9 +88,11 @@ def test_use_fused_swiglu_swaps_every_feed_forward_keeping_weights_and_names(tmp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_model_with_the_fused_gate_equals_the_plain_model(dtype):
-    """Logits and every gradient, on batches of 1, 17 and 64 rows."""
-    assert_swapped_layers_keep_the_function(use_fused_swiglu, dtype)
+@pytest.mark.parametrize("multiple_of", [32, 1], ids=["hidden-192", "hidden-170"])
+def test_a_model_with_the_fused_gate_equals_the_plain_model(dtype, multiple_of):
+    """Logits and every gradient, on batches of 1, 17 and 64 rows, at a hidden size a multiple
+    of 8 and one that is not."""
+    assert_swapped_layers_keep_the_function(use_fused_swiglu, dtype, multiple_of=multiple_of)
 
 
 def test_torch_compile_traces_the_models_code_in_one_graph():

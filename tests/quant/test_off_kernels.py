@@ -84,6 +84,15 @@ def test_one_row_is_the_definition_within_float_rounding_nan_included(kind, opti
     assert len(calls) == (2 if words else 0)
 
 
+def test_int4_inputs_not_a_multiple_of_64_keep_the_bytes_and_the_definition(monkeypatch):
+    monkeypatch.setattr(layers, "CODES_AS_WORDS", True)
+    layer = layer_of(Int4Linear, {"group_size": 32}, shape=(48, 96))
+    definition = layer.dequantize(torch.float32)
+    layer.hold_plain_rows()
+    xq = quantized_activations(torch.randn(1, 1, 96, generator=torch.Generator().manual_seed(3)))
+    torch.testing.assert_close(layer.one_row(xq.view(-1)), F.linear(xq, definition).view(-1), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, options", [LAYERS[0], LAYERS[2]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
