@@ -25,7 +25,7 @@ class FusedFeedForward(FeedForward):
 
     def forward(self, x):
         a, b = self.w1(x), self.w3(x)
-        if a.is_cpu and a.dtype in FLOATS and a.dtype == b.dtype and not torch.compiler.is_compiling():
+        if a.is_cpu and a.dtype in FLOATS and not torch.compiler.is_compiling():
             return self.w2(torch.ops.llama_mini.swiglu(a, b))
         return self.w2(F.silu(a) * b)
 
