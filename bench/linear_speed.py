@@ -51,6 +51,13 @@ def timed(run) -> float:
     return time.perf_counter() - start
 
 
+def as_held(weight: torch.Tensor) -> torch.Tensor:
+    """weight as use_matvec holds it for the kernels: in panels where they read float32 so (AVX2)."""
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return matvec.use_matvec(torch.nn.Sequential(linear))[0].weight
+
+
 def off_kernels(sizes, rounds: int) -> None:
     """The integer layers off the kernels against F.linear on their float weights, one row."""
     from llama_mini.quant.layers import Int4Linear, Int8Linear
@@ -110,17 +117,18 @@ def main():
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             weights = [torch.randn(n, k, generator=g).to(dtype) for n, k in SHAPES[size]]
+            held = [as_held(w) for w in weights]
             for rows in args.rows:
                 xs = [torch.randn(rows, w.shape[1], generator=g).to(dtype) for w in weights]
                 reps = 10 if rows == 1 else 1
                 times = {"kernels": [], "F.linear": []}
                 with torch.inference_mode():
-                    for name, f in (("kernels", ops.linear_dense), ("F.linear", F.linear)):  # warm up
-                        for x, w in zip(xs, weights):
+                    for (name, f), ws in zip((("kernels", ops.linear_dense), ("F.linear", F.linear)), (held, weights)):  # warm up
+                        for x, w in zip(xs, ws):
                             f(x, w)
                     for _ in range(args.rounds):
-                        for name, f in (("kernels", ops.linear_dense), ("F.linear", F.linear)):
-                            times[name].append(timed(lambda: [f(x, w) for _ in range(reps) for x, w in zip(xs, weights)]) / reps)
+                        for (name, f), ws in zip((("kernels", ops.linear_dense), ("F.linear", F.linear)), (held, weights)):
+                            times[name].append(timed(lambda: [f(x, w) for _ in range(reps) for x, w in zip(xs, ws)]) / reps)
                 flops = sum(2 * rows * w.numel() for w in weights)
                 ours, theirs = (statistics.median(times[name]) for name in ("kernels", "F.linear"))
                 print(f"{size} {dtype_name:>8} {rows:5} rows: kernels ({isa}) {flops / ours / 1e9:7.1f} GFLOP/s, "

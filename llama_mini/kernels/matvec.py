@@ -12,11 +12,14 @@ layers.py's definition, as llama.cpp does) as integers.
 use_matvec swaps the class of each linear layer and transformer block for a subclass that adds
 a fast path and keeps the module's state: inputs on CPU, without autograd or autocast, with
 weights the kernels read in place, run the kernels, and a block's forward runs in one call
-(block_on_kernels). Everything else runs the parent class's own code: the same function, up to
-the order of float sums. Compiled with the fused RMSNorm (build.py), and checked against known
-answers when first loaded.
+(block_on_kernels). Built for AVX2 (no AVX-512), the kernels hold float32 weights in panels of
+sixteen outputs instead, which prompts read at about BLAS speed (MatvecLinear.hold_panels).
+Everything else runs the parent class's own code: the same function, up to the order of float
+sums. Compiled with the fused RMSNorm (build.py), and checked against known answers when first
+loaded.
 """
 
+import collections
 import functools
 import logging
 import weakref
@@ -24,6 +27,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from ..model import RMSNorm, TransformerBlock
 from ..quant.layers import Int4Linear, Int8Linear, quantized_activations
@@ -68,14 +72,67 @@ def operators_for(x: torch.Tensor, floats: torch.Tensor):
     return operators()
 
 
+PANEL = 16  # outputs per panel of a float32 weight held in panels (csrc/matvec.h)
+
+
 class MatvecLinear(nn.Linear):
     """nn.Linear (no bias) on the dense kernel: y = x W^T in float32 arithmetic, in x's dtype.
-    Under autocast, torch's F.linear (autocast decides the dtypes)."""
+    Under autocast, torch's F.linear (autocast decides the dtypes).
+
+    Where the kernels read float32 weights fastest in panels (panels_preferred: AVX2),
+    hold_panels keeps `weight` as (out / 16, in, 16); state_dict, load_state_dict and torch's
+    code still see rows (weight_rows)."""
+
+    in_panels = False
 
     def forward(self, x):
-        usable = self.bias is None and self.weight.is_contiguous() and not torch.is_autocast_enabled("cpu")
+        usable = kernel_operands(self) is not None and not torch.is_autocast_enabled("cpu")
         ops = operators_for(x, self.weight) if usable else None
-        return super().forward(x) if ops is None else ops.linear_dense(x, self.weight)
+        return F.linear(x, self.weight_rows(), self.bias) if ops is None else ops.linear_dense(x, self.weight)
+
+    def weight_rows(self) -> torch.Tensor:
+        """The weight as nn.Linear holds it, (out, in): a copy where held in panels."""
+        if not self.in_panels:
+            return self.weight
+        return self.weight.transpose(1, 2).reshape(self.out_features, self.in_features)
+
+    def hold_panels(self) -> None:
+        """Hold the weight in panels from now on (a copy: the rows are freed)."""
+        weight = self.weight
+        self.weight = nn.Parameter(to_panels(weight.detach()), requires_grad=weight.requires_grad)
+        self.in_panels = True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.in_panels:
+            destination[prefix + "weight"] = self.weight_rows() if keep_vars else self.weight_rows().detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "weight"
+        if self.in_panels and key in state_dict and state_dict[key].shape == (self.out_features, self.in_features):
+            state_dict = {**state_dict, key: to_panels(state_dict[key])}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def to_panels(weight: torch.Tensor) -> torch.Tensor:
+    """(out, in) -> (out / 16, in, 16): each panel's sixteen outputs side by side, input by input."""
+    return weight.unflatten(0, (-1, PANEL)).transpose(1, 2).contiguous()
+
+
+def panels_preferred() -> bool:
+    """Whether the kernels read float32 weights fastest in panels (built for AVX2, not AVX-512)."""
+    return operators().dense_in_panels()
+
+
+def holds_panels(linear, shared: set) -> bool:
+    """Whether the kernels read this layer's weight in panels: float32, one piece of memory,
+    outputs a multiple of 16, no bias, and not shared with another module (a tied embedding
+    keeps its rows)."""
+    if type(linear) is not MatvecLinear or linear.in_panels or linear.bias is not None:
+        return False
+    weight = linear.weight
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
+            and linear.out_features % PANEL == 0 and id(weight) not in shared)
 
 
 class IntegerKernel:
@@ -136,6 +193,12 @@ def use_matvec(model: nn.Module) -> nn.Module:
             refused[module], module.__class__ = why, TransformerBlock
             continue
         module.__class__ = FASTER.get(type(module), type(module))
+    if panels_preferred():
+        counts = collections.Counter(id(t) for _, t in model.named_parameters(remove_duplicate=False))
+        shared = {key for key, count in counts.items() if count > 1}
+        for module in model.modules():
+            if holds_panels(module, shared):
+                module.hold_panels()
     if refused:
         log.warning("llama_mini: %s", _describe_refusals(model, refused))
     return model
@@ -184,7 +247,9 @@ def kernel_operands(linear):
     elif isinstance(linear, Int4Linear):
         operands = (linear.weight, linear.scales, linear.zeros) if linear.rows_of_8 else None
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
-        operands = linear.weight, None, None
+        # panels hold float32 (a model cast after use_matvec holds bfloat16 ones: torch's code)
+        in_panels = getattr(linear, "in_panels", False)
+        operands = (linear.weight, None, None) if not in_panels or linear.weight.dtype == torch.float32 else None
     else:
         return None
     return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None
@@ -290,7 +355,7 @@ def _self_check(ops) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(7, 320, generator=g).to(dtype)
         xq = quantized_activations(x).double()
-        w = torch.randn(7, 320, generator=g)
+        w, w16 = torch.randn(7, 320, generator=g), torch.randn(32, 320, generator=g)
         codes = torch.randint(-127, 128, (24, 320), generator=g, dtype=torch.int8)
         scales = (torch.rand(24, 10, generator=g) + 0.5).to(dtype)
         nibbles = torch.randint(0, 16, (24, 320), generator=g, dtype=torch.uint8)
@@ -299,6 +364,7 @@ def _self_check(ops) -> None:
         int4 = ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None] + zeros.double()[..., None]).flatten(-2)
         checks = (
             (ops.linear_dense(x, w.to(dtype)), x.double() @ w.to(dtype).double().t()),
+            (ops.linear_dense(x, to_panels(w16)), x.double() @ w16.double().t()),
             (ops.linear_int8(x, pack_int8(codes), interleave_rows(scales)), xq @ int8.t()),
             (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(zeros)), xq @ int4.t()),
         )

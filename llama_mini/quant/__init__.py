@@ -29,7 +29,7 @@ def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE
     float matrix beyond the quantized ones is alive); returns model. The head is int8 either way."""
     check_method(method)
     for parent, name, linear in _linears(model):
-        weight = linear.weight.detach()
+        weight = linear.state_dict()["weight"]  # its rows, as saved, whatever layout a kernel holds it in
         if method == "int8" or linear is model.output:
             setattr(parent, name, Int8Linear.from_weight(weight))
         else:

@@ -55,6 +55,55 @@ def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
     torch.set_num_threads(1)
 
 
+# Float32 weights in panels of sixteen outputs (the form AVX2 builds read; every build computes it).
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(1, 16, 1), (2, 48, 200), (3, 64, 768), (4, 32, 40), (67, 80, 300), (130, 272, 64)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_panels_match_float64_and_are_the_rows_weight(ops, x_dtype, rows, n, k, threads):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(rows * n + k)
+    x, w = torch.randn(rows, k, generator=g).to(x_dtype), torch.randn(n, k, generator=g)
+    y = ops.linear_dense(x, to_panels(w))
+    assert y.dtype == x_dtype and y.shape == (rows, n)
+    close(y, x.double() @ w.double().t(), x_dtype)
+    torch.set_num_threads(1)
+
+
+def test_panels_sum_each_output_input_after_input_from_zero(ops):
+    """The order the panels' kernel promises (csrc/matvec.cpp): a fused multiply-add per input,
+    in order, from zero; the same bits as that loop written out in float32."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 50, generator=g), torch.randn(32, 50, generator=g)
+    expected = torch.zeros(3, 32, dtype=torch.float64)
+    for j in range(50):  # one rounding to float32 per step; float64 holds each exact product and sum
+        expected = (expected + x[:, j:j + 1].double() * w[:, j].double()).float().double()
+    assert torch.equal(ops.linear_dense(x, to_panels(w)).double(), expected)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_panels_compute_each_row_as_if_alone_and_carry_a_nan_where_it_belongs(ops, threads):
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(96, 160, generator=g)
+    w[7, 33] = float("nan")
+    panels = to_panels(w)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 13, 128, 129, 200):
+        x = torch.randn(rows, 160, generator=g)
+        x[rows // 2, 100] = float("nan")
+        y = ops.linear_dense(x, panels)
+        alone = torch.cat([ops.linear_dense(row, panels) for row in x.split(1)])
+        assert torch.equal(y.view(torch.int32), alone.view(torch.int32)), rows  # bit for bit, NaNs too
+        nan = torch.zeros_like(y, dtype=torch.bool)
+        nan[:, 7], nan[rows // 2] = True, True
+        assert torch.equal(y.isnan(), nan), rows
+    torch.set_num_threads(1)
+
+
+def to_panels(w):
+    """(n, k) -> (n / 16, k, 16), as the kernels hold float32 weights in panels."""
+    return w.unflatten(0, (-1, 16)).transpose(1, 2).contiguous()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtype, rows):
@@ -223,13 +272,34 @@ def kernel_model(seed=0, **overrides):
 def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
     model = kernel_model()
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
-    names = list(model.state_dict())
+    state = {name: t.clone() for name, t in model.state_dict().items()}
     use_matvec(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is MatvecLinear for m in linears)
-    assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights  # shared, not copied
+    # Shared, not copied; but where this build reads float32 weights in panels (AVX2), those.
+    in_panels = {name + ".weight" for name, m in model.named_modules() if getattr(m, "in_panels", False)}
+    assert bool(in_panels) == ops.dense_in_panels()
+    assert {name: p.data_ptr() for name, p in model.named_parameters() if name not in in_panels} == {
+        name: ptr for name, ptr in weights.items() if name not in in_panels}
+    for name in in_panels:
+        rows = state[name]
+        assert torch.equal(model.get_parameter(name), rows.unflatten(0, (-1, 16)).transpose(1, 2))
     assert all(type(layer) is KernelBlock for layer in model.layers)  # a block's decoding step in one call
-    assert list(model.state_dict()) == names  # the checkpoint it saves is the plain model's
+    saved = model.state_dict()  # the checkpoint it saves is the plain model's
+    assert list(saved) == list(state) and all(torch.equal(saved[name], state[name]) for name in state)
+    model.load_state_dict({name: 2 * t for name, t in state.items()})  # and it loads one
+    assert all(torch.equal(t, 2 * state[name]) for name, t in model.state_dict().items())
+    assert all(model.get_parameter(name).dim() == 3 for name in in_panels)
+
+
+def test_a_model_cast_after_use_matvec_computes_what_the_cast_model_does(ops):
+    """Cast to bfloat16 after use_matvec, float32 weights held in panels (AVX2) become bfloat16
+    panels, which the kernels do not read: those layers run torch's code on their rows."""
+    model, reference = use_matvec(kernel_model()), kernel_model()
+    model.to(torch.bfloat16), reference.to(torch.bfloat16)
+    tokens = torch.tensor([[1, 2, 3, 4, 5]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(tokens), reference(tokens), rtol=0.05, atol=0.05)
 
 
 def block_on_the_operators(ops, block, x, cos, sin, start):

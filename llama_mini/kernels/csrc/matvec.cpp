@@ -14,7 +14,9 @@
 //   meets MR rows of x.
 //
 // Each output is summed in the same order whatever the tile, chunk or thread (simd.h), so a
-// row's result does not depend on the rows beside it: batched equals alone, bit for bit.
+// row's result does not depend on the rows beside it: batched equals alone, bit for bit. With
+// AVX2, float32 weights are held in panels of sixteen outputs instead (linear_panels), each
+// output summed input after input, for the same reason.
 //
 // Integer weights are multiplied as integers, as llama.cpp does: the activations are rounded
 // to int8 in blocks of 32 (Q8_0), vpmaddubsw or VNNI's vpdpbusd multiply four weights of a row
@@ -246,6 +248,117 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
         dense_packed(x, w, y, rows, n, k, threads);
 }
 
+// --- Dense float32 weights in panels (AVX2) ---------------------------------------------------
+//
+// With AVX2's eight lanes, a tile of rows of x against rows of W reads a vector of each for every
+// few multiply-adds, and a prompt is bound by loads, at 0.6-0.75x torch's sgemm. Held in
+// panels of sixteen outputs, input-major (matvec.h), the weights meet each input of a row
+// broadcast to all lanes: a tile of PANEL_MR rows against one panel does twelve multiply-adds
+// per two vectors of weights, as BLAS kernels do; a decoding step streams a few panels in
+// order. Each output is then summed input after input, from zero, by fused multiply-adds,
+// whatever the tile, chunk or thread: a row's result does not depend on the rows beside it.
+
+constexpr int PANEL = 16;  // outputs per panel
+constexpr int PANEL_MR = 6;  // rows of x against a panel in a prompt's tile
+constexpr int64_t PANEL_KC = 256;  // inputs per pass of a prompt's tiles (a panel's 16 KB stay in L1)
+constexpr int64_t PANEL_STREAMED = 3;  // rows up to which a product streams the panels (a decoding step)
+
+inline __m256 broadcast1(const float* p) { return _mm256_broadcast_ss(p); }
+inline __m256 broadcast1(const uint16_t* p) { return _mm256_set1_ps(bf16_to_float(*p)); }
+
+// sums[r * sums_row + 16 p + q] (r < R, p < NP, q < 16), from zero (first) or from sums, plus
+// inputs [0, length) of R rows of x (x_row apart) times NP panels (panel_stride apart, sixteen
+// outputs an input), input after input.
+template <int R, int NP, typename X>
+void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride, int64_t length, float* sums,
+                int64_t sums_row, bool first, bool prefetch_ahead) {
+    __m256 acc[R][NP][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p++)
+            for (int h = 0; h < 2; h++)
+                acc[r][p][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * sums_row + PANEL * p + 8 * h);
+#pragma GCC unroll 4
+    for (int64_t j = 0; j < length; j++, w += PANEL) {
+        __m256 wv[NP][2];
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p++) {
+            if (prefetch_ahead) prefetch(w + p * panel_stride + PREFETCH_BYTES / sizeof(float));
+            wv[p][0] = _mm256_loadu_ps(w + p * panel_stride), wv[p][1] = _mm256_loadu_ps(w + p * panel_stride + 8);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            const __m256 xb = broadcast1(x + r * x_row + j);
+#pragma GCC unroll 8
+            for (int p = 0; p < NP; p++)
+                for (int h = 0; h < 2; h++) acc[r][p][h] = _mm256_fmadd_ps(wv[p][h], xb, acc[r][p][h]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < NP; p++)
+            for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + r * sums_row + PANEL * p + 8 * h, acc[r][p][h]);
+}
+
+// A few rows (a decoding step): bound by memory. Each thread streams its band of panels, a few
+// side by side (as many as leave the accumulators in registers), in one pass over all inputs.
+template <typename X, typename Y>
+void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+    for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
+        float sums[PANEL_STREAMED * 4 * PANEL];
+        const auto run = [&]<int R, int NP>(int64_t m, int64_t p) {
+            panel_tile<R, NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, sums, NP * PANEL, true, true);
+            for (int r = 0; r < R; r++)
+                for (int t = 0; t < NP * PANEL; t += 8) store8(y + (m + r) * n + p * PANEL + t, _mm256_loadu_ps(sums + r * NP * PANEL + t));
+        };
+        const auto across = [&]<int R, int NP>(int64_t m) {
+            int64_t p = begin;
+            for (; p + NP <= end; p += NP) run.template operator()<R, NP>(m, p);
+            for (; p < end; p++) run.template operator()<R, 1>(m, p);
+        };
+        by_row_tiles<PANEL_STREAMED>(0, rows, [&]<int R>(int64_t m) { across.template operator()<R, R == 1 ? 4 : R == 2 ? 3 : 2>(m); });
+    }, 1);
+}
+
+// More rows (a prompt): bound by arithmetic. Chunks of PANEL_CHUNK rows (in the second-level cache),
+// then groups of PANEL_GROUP panels, whose outputs for the chunk stay there too, block by block
+// of PANEL_KC inputs: each panel's block (in the first level) meets every tile of PANEL_MR rows
+// of the chunk, while the next panel's block is fetched.
+constexpr int64_t PANEL_GROUP = 16;
+constexpr int64_t PANEL_CHUNK = 20 * PANEL_MR;  // whole tiles: a tile of fewer rows has fewer accumulators
+
+template <typename X, typename Y>
+void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+    for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
+        thread_local std::vector<float> sums;
+        sums.resize(std::min(rows, PANEL_CHUNK) * PANEL_GROUP * PANEL);
+        for (int64_t c = 0; c < rows; c += PANEL_CHUNK) {
+            const int64_t c_end = std::min(rows, c + PANEL_CHUNK), tiles = (c_end - c + PANEL_MR - 1) / PANEL_MR;
+            for (int64_t g = begin; g < end; g += PANEL_GROUP) {
+                const int64_t g_end = std::min(end, g + PANEL_GROUP), width = (g_end - g) * PANEL;
+                for (int64_t b = 0; b < k; b += PANEL_KC) {
+                    const int64_t length = std::min(PANEL_KC, k - b);
+                    for (int64_t p = g; p < g_end; p++) {
+                        const float* w = panels + p * k * PANEL + b * PANEL;
+                        const Prefetches next(w + k * PANEL, p + 1 < g_end ? 1 : 0, 0, length * PANEL * int64_t(sizeof(float)), tiles);
+                        int64_t tile = 0;
+                        by_row_tiles<PANEL_MR>(c, c_end, [&]<int R>(int64_t m) {
+                            next.share(tile++);
+                            panel_tile<R, 1>(x + m * k + b, k, w, 0, length, sums.data() + (m - c) * width + (p - g) * PANEL,
+                                             width, b == 0, false);
+                        });
+                    }
+                }
+                for (int64_t m = c; m < c_end; m++)
+                    for (int64_t t = 0; t < width; t += 8)
+                        store8(y + m * n + g * PANEL + t, _mm256_loadu_ps(sums.data() + (m - c) * width + t));
+            }
+        }
+    }, 1);
+}
+
 // --- Integer weights -----------------------------------------------------------------------------
 //
 // Rows come in sets of eight, interleaved (matvec.h): a tile takes NZ pairs of sets side by
@@ -400,6 +513,28 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
     else run(static_cast<const float*>(x), static_cast<const float*>(w));
 }
 
+extern "C" void linear_panels(const void* x, const float* panels, void* y, int64_t rows, int64_t n, int64_t k,
+                              int x_bf16, int threads) {
+    const auto run = [&]<typename T>(const T* xt) {
+        if (k == 0)
+            std::fill_n(static_cast<T*>(y), rows * n, T(0));
+        else if (rows <= PANEL_STREAMED)
+            panels_streamed(xt, panels, static_cast<T*>(y), rows, n, k, threads);
+        else
+            panels_in_chunks(xt, panels, static_cast<T*>(y), rows, n, k, threads);
+    };
+    if (x_bf16) run(static_cast<const uint16_t*>(x));
+    else run(static_cast<const float*>(x));
+}
+
+extern "C" int dense_in_panels() {
+#ifdef SIMD_WIDE
+    return 0;  // sixteen lanes over a row's inputs keep a prompt's tiles busy: rows as they are
+#else
+    return 1;
+#endif
+}
+
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
                                      int64_t k, int threads) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -463,6 +598,8 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 
 extern "C" int matvec_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
+extern "C" void linear_panels(const void*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
+extern "C" int dense_in_panels() { return 0; }
 extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}

@@ -88,10 +88,24 @@ IntegerCall integer_call(const at::Tensor& x, const at::Tensor& scales, int64_t 
     return {y, rows, quantized(xc, rows, k)};
 }
 
+// A float32 weight held in panels (n / 16, k, 16) (matvec.h's linear_panels).
+at::Tensor panels_op(const at::Tensor& x, const at::Tensor& panels) {
+    TORCH_CHECK(panels.is_contiguous() && panels.size(2) == 16 && panels.scalar_type() == at::kFloat,
+                "llama_mini::linear_dense: panels (outputs / 16, inputs, 16), contiguous float32");
+    const int64_t n = panels.size(0) * 16, k = panels.size(1);
+    at::Tensor y = output_for(x, n, k);
+    const at::Tensor xc = x.contiguous();
+    const int64_t rows = rows_of(xc);
+    ::linear_panels(xc.const_data_ptr(), panels.const_data_ptr<float>(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
+                    threads_for(rows, n, k));
+    return y;
+}
+
 }  // namespace
 
 at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
-    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::linear_dense: a contiguous 2-D weight");
+    if (weight.dim() == 3) return panels_op(x, weight);
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::linear_dense: a contiguous 2-D weight, or 3-D panels");
     check_float(weight, "the weight");
     const int64_t n = weight.size(0), k = weight.size(1);
     at::Tensor y = output_for(x, n, k);
@@ -203,11 +217,13 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 bool available() { return matvec_available() != 0; }
+bool in_panels() { return dense_in_panels() != 0; }
 
 }  // namespace llama_mini
 
 TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
+    m.def("dense_in_panels() -> bool", &llama_mini::in_panels);
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
