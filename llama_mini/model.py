@@ -238,12 +238,16 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.cache: Optional[KVCache] = None  # set by Transformer.setup_cache for decoding
 
+    def rotate(self, x, cos, sin):
+        """RoPE of q or k (kernels/fused_rope.py computes the same in one pass for training)."""
+        return apply_rotary_emb(x, cos, sin)
+
     def forward(self, x, cos, sin, start_pos: int = 0):
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_heads, self.head_dim)
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim)
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, head_dim)
 
         if self.cache is not None:

@@ -59,3 +59,21 @@ def assert_swapped_layers_keep_the_function(use, dtype, **overrides):
         for (name, a), b in zip(plain.named_parameters(), swapped.parameters()):
             torch.testing.assert_close(b.grad.float(), a.grad.float(), **tolerance, msg=name)
         plain.zero_grad(), swapped.zero_grad()
+
+
+def assert_swaps_every(use, base, faster, attribute, folder):
+    """use(model) gives every `base` module of a two-block model the class `faster`, keeping each
+    weight (not a copy) and state-dict name, and the model saves as the plain one (which
+    implementation runs is not stored: it loads with `base` at `attribute` of a block). Returns
+    the swapped modules."""
+    from llama_mini import load_checkpoint, save_checkpoint
+
+    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=32))
+    weights, names = {name: p.data_ptr() for name, p in model.named_parameters()}, list(model.state_dict())
+    assert use(model) is model
+    layers = [m for m in model.modules() if isinstance(m, base)]
+    assert len(layers) == 2 and all(type(m) is faster for m in layers)
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights and list(model.state_dict()) == names
+    save_checkpoint(model, folder)
+    assert type(getattr(load_checkpoint(folder).layers[0], attribute)) is base
+    return layers

@@ -131,8 +131,8 @@ def files_run_in_a_child(code: str, *args) -> dict:
 
 def test_a_training_step_runs_the_trainer_the_model_the_fused_layers_and_the_data_only(tmp_path):
     """The first and the second optimizer step of a real run, set up as train.py sets it up
-    (the fused RMSNorm and SwiGLU where the kernels build, one process), run Python code in five
-    files at most."""
+    (the fused RMSNorm, SwiGLU and RoPE where the kernels build, one process), run Python code in
+    six files at most."""
     (tmp_path / "text.txt").write_text("\n\n".join(corpus.stories(30_000, seed=5)), encoding="utf-8")
     code = (
         "from llama_mini.run.config import TrainConfig\n"
@@ -142,7 +142,8 @@ def test_a_training_step_runs_the_trainer_the_model_the_fused_layers_and_the_dat
         "                            device='cpu', dim=32, n_layers=1, n_heads=2, vocab_size=400, seq_len=16, batch_size=2))\n"
         "steps = [files_run(run.trainer.train_step) for _ in range(2)]\n"
         "print(json.dumps({'norm': type(run.raw_model.norm).__name__,\n"
-        "                  'feed_forward': type(run.raw_model.layers[0].feed_forward).__name__, 'steps': steps}))\n"
+        "                  'feed_forward': type(run.raw_model.layers[0].feed_forward).__name__,\n"
+        "                  'attention': type(run.raw_model.layers[0].attention).__name__, 'steps': steps}))\n"
     )
     found = files_run_in_a_child(code, tmp_path)
     expected = {"llama_mini/trainer.py", "llama_mini/model.py", "llama_mini/run/data.py"}
@@ -150,6 +151,8 @@ def test_a_training_step_runs_the_trainer_the_model_the_fused_layers_and_the_dat
         expected.add("llama_mini/kernels/fused_rmsnorm.py")
     if found["feed_forward"] == "FusedFeedForward":
         expected.add("llama_mini/kernels/fused_swiglu.py")
+    if found["attention"] == "FusedAttention":
+        expected.add("llama_mini/kernels/fused_rope.py")
     for step in found["steps"]:
         assert set(step) == expected
 

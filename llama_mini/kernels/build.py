@@ -36,7 +36,7 @@ import torch
 from ..files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "swiglu.cpp", "matvec_op.cpp", "block_op.cpp")]
+SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "swiglu.cpp", "rope.cpp", "matvec_op.cpp", "block_op.cpp")]
 HEADERS = [CSRC / name for name in ("bf16.h", "rms_norm.h", "matvec.h", "simd.h", "ops.h")]
 LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]

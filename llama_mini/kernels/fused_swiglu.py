@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..model import FeedForward
-from .matvec import FLOATS, operators
+from .matvec import FLOATS, swap_on_cpu
 
 
 class FusedFeedForward(FeedForward):
@@ -31,15 +31,6 @@ class FusedFeedForward(FeedForward):
 
 
 def use_fused_swiglu(model: nn.Module) -> nn.Module:
-    """Run model's feed-forward gates fused where the CPU kernels load; returns model.
-
-    Each FeedForward becomes a FusedFeedForward (its class is swapped: the weights and
-    state-dict names stay). Loads the kernels now (building them once per machine); where they
-    cannot run (no AVX2, another device) the model is left as it is.
-    """
-    layers = [m for m in model.modules() if type(m) is FeedForward]
-    if not layers or layers[0].w1.weight.device.type != "cpu" or operators() is None:
-        return model
-    for layer in layers:
-        layer.__class__ = FusedFeedForward
-    return model
+    """Run model's feed-forward gates fused where the CPU kernels load (each FeedForward becomes
+    a FusedFeedForward: swap_on_cpu); returns model."""
+    return swap_on_cpu(model, FeedForward, FusedFeedForward)

@@ -60,6 +60,18 @@ def _checked_operators():
 FLOATS = (torch.float32, torch.bfloat16)  # the activation, weight and scale dtypes the kernels read
 
 
+def swap_on_cpu(model: nn.Module, base: type, faster: type) -> nn.Module:
+    """Give each module of model whose class is `base` the class `faster` (its weights and
+    state-dict names stay) where the model is on the CPU and the kernels load, loading them now
+    (building them once per machine); model is left as it is elsewhere. Returns model."""
+    layers = [m for m in model.modules() if type(m) is base]
+    if not layers or next(layers[0].parameters()).device.type != "cpu" or operators() is None:
+        return model
+    for layer in layers:
+        layer.__class__ = faster
+    return model
+
+
 def operators_for(x: torch.Tensor, floats: torch.Tensor):
     """The operators, if they should compute x W^T (floats: W, or its scales); None where the
     layer's own code should. Cheapest checks first: this runs for every layer of every step."""

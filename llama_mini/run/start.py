@@ -15,7 +15,7 @@ import torch
 
 from ..device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
-from ..kernels import use_fused_rmsnorm, use_fused_swiglu
+from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
 from ..memory import check_fits, shape_parameters, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
@@ -76,7 +76,7 @@ def _build(cfg: TrainConfig, saved, folder: RunFolder, group: ProcessGroup, devi
     torch.manual_seed(cfg.seed)  # the same seed on every process: every replica starts the same
     raw_model = Transformer(args).to(device)
     if cfg.kernels == "auto":
-        use_fused_swiglu(use_fused_rmsnorm(raw_model))
+        use_fused_rope(use_fused_swiglu(use_fused_rmsnorm(raw_model)))
     model = wrap_model(raw_model, group, device, cfg.fsdp, cfg.compile)
     hp = cfg.hyperparameters()
     optimizer = configure_optimizer(raw_model, hp, device, sharded=cfg.fsdp)

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
+from llama_mini import ModelArgs, Transformer
 from llama_mini.kernels import FusedFeedForward, matvec, use_fused_swiglu
 from llama_mini.model import FeedForward
-from fixtures import assert_swapped_layers_keep_the_function
+from fixtures import assert_swapped_layers_keep_the_function, assert_swaps_every
 
 KERNEL_NODE = "torch::autograd::CppNode<llama_mini::SwiGLUFunction>"  # kernels/csrc/matvec_op.cpp
 
@@ -75,16 +75,9 @@ def test_second_order_gradients_are_refused_not_silently_zero():
 
 
 def test_use_fused_swiglu_swaps_every_feed_forward_keeping_weights_and_names(tmp_path):
-    model = Transformer(ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=32))
-    weights, names = {name: p.data_ptr() for name, p in model.named_parameters()}, list(model.state_dict())
-    assert use_fused_swiglu(model) is model
-    layers = [m for m in model.modules() if isinstance(m, FeedForward)]
-    assert len(layers) == 2 and all(type(m) is FusedFeedForward for m in layers)
-    assert {name: p.data_ptr() for name, p in model.named_parameters()} == weights and list(model.state_dict()) == names
+    layers = assert_swaps_every(use_fused_swiglu, FeedForward, FusedFeedForward, "feed_forward", tmp_path)
     hidden = layers[0].w1(torch.randn(2, 64))
     assert torch.ops.llama_mini.swiglu(hidden, hidden).grad_fn.name() == KERNEL_NODE
-    save_checkpoint(model, tmp_path)  # which implementation runs is not stored with the model
-    assert type(load_checkpoint(tmp_path).layers[0].feed_forward) is FeedForward
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -102,11 +95,3 @@ def test_torch_compile_traces_the_models_code_in_one_graph():
     x = torch.randn(3, 32)
     compiled = torch.compile(layer, backend="eager", fullgraph=True)
     torch.testing.assert_close(compiled(x), FeedForward.forward(layer, x))
-
-
-def test_where_the_kernels_do_not_run_the_model_is_left_as_it_is(monkeypatch):
-    monkeypatch.setattr("llama_mini.kernels.fused_swiglu.operators", lambda: None)
-    model = use_fused_swiglu(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=16)))
-    assert type(model.layers[0].feed_forward) is FeedForward
-    on_meta = use_fused_swiglu(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=16)).to("meta"))
-    assert type(on_meta.layers[0].feed_forward) is FeedForward

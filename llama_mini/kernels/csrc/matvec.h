@@ -67,3 +67,10 @@ extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int b
 // Its gradients: da, db from dout (each of n elements, a's dtype).
 extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int bf16,
                                 int threads);
+
+// RoPE as model.py's apply_rotary_emb computes it (rope.cpp), for training: x (rows, head_dim),
+// row r at position (r / heads) % positions of cos and sin (positions, head_dim, float32);
+// out[j] = x[j] cos[j] + x[j ^ 1] sin[j], or with backward, x being the output's gradient, the
+// input's: x[j] cos[j] + x[j ^ 1] sin[j ^ 1]. float32 or bfloat16 (bf16); head_dim % 8 == 0.
+extern "C" void rope(const void* x, void* out, const float* cos, const float* sin, int64_t rows, int64_t heads,
+                     int64_t positions, int64_t head_dim, int backward, int bf16, int threads);

@@ -1,9 +1,9 @@
 // The torch operators llama_mini::linear_dense, linear_int8 and linear_int4 over the kernels of
 // matvec.cpp (y = x W^T for any number of rows of x, in x's dtype), attention over
-// attention.cpp's, and swiglu over swiglu.cpp's. Inference only (no autograd), but for swiglu,
-// which training runs too (kernels/fused_swiglu.py), its autograd node in C++ as rms_norm's
-// (rms_norm_op.cpp says why C++); the Python side calls the others without gradients and runs
-// the layers' own code otherwise.
+// attention.cpp's, swiglu over swiglu.cpp's and rope over rope.cpp's. Inference only (no
+// autograd), but for swiglu and rope, which training runs too (kernels/fused_swiglu.py,
+// fused_rope.py), with their autograd nodes in C++ as rms_norm's (rms_norm_op.cpp says why C++);
+// the Python side calls the others without gradients and runs the layers' own code otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -12,6 +12,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -183,6 +184,46 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
 
 at::Tensor swiglu_autograd(const at::Tensor& a, const at::Tensor& b) { return SwiGLUFunction::apply(a, b); }
 
+// RoPE (rope.cpp) of x (B, T, heads, d) at T positions, or its gradient (backward): cos and sin
+// the model's float32 tables, T x d values each.
+at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
+    TORCH_CHECK(matvec_available(), "llama_mini::rope: this build has no vector kernels");
+    TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.size(3) % 8 == 0, "llama_mini::rope: x (B, T, heads, d) on the CPU, d a multiple of 8");
+    check_float(x, "x");
+    TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == x.size(1) * x.size(3) &&
+                    sin.numel() == cos.numel(),
+                "llama_mini::rope: float32 cos and sin, d values per position");
+    const at::Tensor xc = x.contiguous(), cosc = cos.contiguous(), sinc = sin.contiguous();
+    at::Tensor out = at::empty_like(xc);
+    const int64_t rows = xc.numel() / std::max<int64_t>(xc.size(3), 1);
+    ::rope(xc.const_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(), sinc.const_data_ptr<float>(), rows,
+           xc.size(2), xc.size(1), xc.size(3), backward, is_bf16(xc), xc.numel() * 4 >= PARALLEL_MIN_WORK ? at::get_num_threads() : 1);
+    return out;
+}
+
+at::Tensor rope_forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) { return rope_op(x, cos, sin, false); }
+
+// Saves the tables for backward, which rotates the gradient back: the same pass.
+struct RoPEFunction : public torch::autograd::Function<RoPEFunction> {
+    static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos,
+                              const at::Tensor& sin) {
+        ctx->save_for_backward({cos, sin});
+        return rope_op(x, cos, sin, false);
+    }
+
+    static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                   torch::autograd::variable_list grads) {
+        TORCH_CHECK(!at::GradMode::is_enabled(), "llama_mini::rope: the fused backward cannot be "
+                    "differentiated again; leave use_fused_rope out for higher-order gradients");
+        const torch::autograd::variable_list saved = ctx->get_saved_variables();
+        return {rope_op(grads[0], saved[0], saved[1], true), at::Tensor(), at::Tensor()};
+    }
+};
+
+at::Tensor rope_autograd(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    return RoPEFunction::apply(x, cos, sin);
+}
+
 // q (B, T, heads, d), k and v (B, T, kv_heads, d): the new positions', as the linear layers
 // give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B'; cos, sin (T, d) float32.
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
@@ -228,6 +269,7 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
     m.def("swiglu(Tensor a, Tensor b) -> Tensor");
+    m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
     m.def("attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
           "Tensor sin, int start) -> Tensor");
 }
@@ -236,6 +278,10 @@ TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_int8", llama_mini::int8_op);
     m.impl("linear_int4", llama_mini::int4_op);
     m.impl("swiglu", llama_mini::swiglu_op);
+    m.impl("rope", llama_mini::rope_forward);
     m.impl("attention", llama_mini::attention_op);
 }
-TORCH_LIBRARY_IMPL(llama_mini, AutogradCPU, m) { m.impl("swiglu", llama_mini::swiglu_autograd); }
+TORCH_LIBRARY_IMPL(llama_mini, AutogradCPU, m) {
+    m.impl("swiglu", llama_mini::swiglu_autograd);
+    m.impl("rope", llama_mini::rope_autograd);
+}
