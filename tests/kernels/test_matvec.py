@@ -73,11 +73,12 @@ def test_panels_sum_each_output_input_after_input_from_zero(ops):
     """The order the panels' kernel promises (csrc/matvec.cpp): a fused multiply-add per input,
     in order, from zero; the same bits as that loop written out in float32."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(3, 50, generator=g), torch.randn(32, 50, generator=g)
-    expected = torch.zeros(3, 32, dtype=torch.float64)
+    x, w = torch.randn(11, 50, generator=g), torch.randn(32, 50, generator=g)  # a prompt's tiles, and one of 5 rows
+    expected = torch.zeros(11, 32, dtype=torch.float64)
     for j in range(50):  # one rounding to float32 per step; float64 holds each exact product and sum
         expected = (expected + x[:, j:j + 1].double() * w[:, j].double()).float().double()
     assert torch.equal(ops.linear_dense(x, to_panels(w)).double(), expected)
+    assert torch.equal(ops.linear_dense(x[:3], to_panels(w)).double(), expected[:3])  # a decoding step's
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -96,6 +97,24 @@ def test_panels_compute_each_row_as_if_alone_and_carry_a_nan_where_it_belongs(op
         nan = torch.zeros_like(y, dtype=torch.bool)
         nan[:, 7], nan[rows // 2] = True, True
         assert torch.equal(y.isnan(), nan), rows
+    torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_panels_keep_rows_alone_over_chunks_of_rows_and_groups_of_panels(ops, threads):
+    """A prompt longer than a chunk (1026 rows), against more panels than a group holds (a
+    quarter of the L2: a few panels of 2048 inputs), is still each row computed alone."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(160, 2048, generator=g), torch.randn(1100, 2048, generator=g)
+    panels = to_panels(w)
+    y = ops.linear_dense(x, panels)
+    alone = torch.cat([ops.linear_dense(row, panels) for row in x.split(1)])
+    assert torch.equal(y, alone)
+    expected = torch.zeros(1100, 160, dtype=torch.float64)
+    for j in range(2048):  # the promised order, as in the test above
+        expected = (expected + x[:, j:j + 1].double() * w[:, j].double()).float().double()
+    assert torch.equal(y.double(), expected)
     torch.set_num_threads(1)
 
 

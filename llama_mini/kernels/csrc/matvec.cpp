@@ -34,6 +34,7 @@
 #include <cstring>
 #include <type_traits>
 #include <vector>
+#include <unistd.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -260,27 +261,26 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
 
 constexpr int PANEL = 16;  // outputs per panel
 constexpr int PANEL_MR = 6;  // rows of x against a panel in a prompt's tile
-constexpr int64_t PANEL_KC = 256;  // inputs per pass of a prompt's tiles (a panel's 16 KB stay in L1)
 constexpr int64_t PANEL_STREAMED = 3;  // rows up to which a product streams the panels (a decoding step)
 
 inline __m256 broadcast1(const float* p) { return _mm256_broadcast_ss(p); }
 inline __m256 broadcast1(const uint16_t* p) { return _mm256_set1_ps(bf16_to_float(*p)); }
 
-// sums[r * sums_row + 16 p + q] (r < R, p < NP, q < 16), from zero (first) or from sums, plus
-// inputs [0, length) of R rows of x (x_row apart) times NP panels (panel_stride apart, sixteen
-// outputs an input), input after input.
-template <int R, int NP, typename X>
-void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride, int64_t length, float* sums,
-                int64_t sums_row, bool first, bool prefetch_ahead) {
+// y[r * y_row + 16 p + q] (r < R, p < NP, q < 16): inputs [0, k) of R rows of x (x_row apart)
+// times NP panels (panel_stride apart, sixteen outputs an input), summed input after input from
+// zero. A whole row of inputs per call: each operand is read in one long run, which the
+// hardware prefetchers follow, and no sum leaves the registers before it is done.
+template <int R, int NP, typename X, typename Y>
+void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride, int64_t k, Y* y, int64_t y_row,
+                bool prefetch_ahead) {
     __m256 acc[R][NP][2];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int p = 0; p < NP; p++)
-            for (int h = 0; h < 2; h++)
-                acc[r][p][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(sums + r * sums_row + PANEL * p + 8 * h);
+            for (int h = 0; h < 2; h++) acc[r][p][h] = _mm256_setzero_ps();
 #pragma GCC unroll 4
-    for (int64_t j = 0; j < length; j++, w += PANEL) {
+    for (int64_t j = 0; j < k; j++, w += PANEL) {
         __m256 wv[NP][2];
 #pragma GCC unroll 8
         for (int p = 0; p < NP; p++) {
@@ -299,7 +299,7 @@ void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride,
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int p = 0; p < NP; p++)
-            for (int h = 0; h < 2; h++) _mm256_storeu_ps(sums + r * sums_row + PANEL * p + 8 * h, acc[r][p][h]);
+            for (int h = 0; h < 2; h++) store8(y + r * y_row + PANEL * p + 8 * h, acc[r][p][h]);
 }
 
 // A few rows (a decoding step): bound by memory. Each thread streams its band of panels, a few
@@ -307,55 +307,43 @@ void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride,
 template <typename X, typename Y>
 void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
-        float sums[PANEL_STREAMED * 4 * PANEL];
-        const auto run = [&]<int R, int NP>(int64_t m, int64_t p) {
-            panel_tile<R, NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, sums, NP * PANEL, true, true);
-            for (int r = 0; r < R; r++)
-                for (int t = 0; t < NP * PANEL; t += 8) store8(y + (m + r) * n + p * PANEL + t, _mm256_loadu_ps(sums + r * NP * PANEL + t));
-        };
         const auto across = [&]<int R, int NP>(int64_t m) {
             int64_t p = begin;
-            for (; p + NP <= end; p += NP) run.template operator()<R, NP>(m, p);
-            for (; p < end; p++) run.template operator()<R, 1>(m, p);
+            for (; p + NP <= end; p += NP)
+                panel_tile<R, NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, y + m * n + p * PANEL, n, true);
+            for (; p < end; p++) panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, true);
         };
         by_row_tiles<PANEL_STREAMED>(0, rows, [&]<int R>(int64_t m) { across.template operator()<R, R == 1 ? 4 : R == 2 ? 3 : 2>(m); });
     }, 1);
 }
 
-// More rows (a prompt): bound by arithmetic. Chunks of PANEL_CHUNK rows (in the second-level cache),
-// then groups of PANEL_GROUP panels, whose outputs for the chunk stay there too, block by block
-// of PANEL_KC inputs: each panel's block (in the first level) meets every tile of PANEL_MR rows
-// of the chunk, while the next panel's block is fetched.
-constexpr int64_t PANEL_GROUP = 16;
-constexpr int64_t PANEL_CHUNK = 20 * PANEL_MR;  // whole tiles: a tile of fewer rows has fewer accumulators
+// More rows (a prompt): bound by arithmetic. Chunks of up to PANEL_CHUNK rows, then groups of
+// panels that fill a quarter of the second-level cache: each tile of PANEL_MR rows meets every
+// panel of the group in turn, so the group is read from there, x once per group.
+constexpr int64_t PANEL_CHUNK = 171 * PANEL_MR;
+
+// Panels per group for k inputs: a quarter of this CPU's second-level cache (1 MB where the C
+// library does not say).
+inline int64_t panel_group(int64_t k) {
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    static const int64_t l2 = sysconf(_SC_LEVEL2_CACHE_SIZE) > 0 ? sysconf(_SC_LEVEL2_CACHE_SIZE) : 1 << 20;
+#else
+    constexpr int64_t l2 = 1 << 20;
+#endif
+    return std::max<int64_t>(1, l2 / 4 / (k * PANEL * int64_t(sizeof(float))));
+}
 
 template <typename X, typename Y>
 void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+    const int64_t chunks = (rows + PANEL_CHUNK - 1) / PANEL_CHUNK, group = panel_group(k);
+    const int64_t chunk = ((rows + chunks - 1) / chunks + PANEL_MR - 1) / PANEL_MR * PANEL_MR;  // a tile of fewer rows is last
     for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
-        thread_local std::vector<float> sums;
-        sums.resize(std::min(rows, PANEL_CHUNK) * PANEL_GROUP * PANEL);
-        for (int64_t c = 0; c < rows; c += PANEL_CHUNK) {
-            const int64_t c_end = std::min(rows, c + PANEL_CHUNK), tiles = (c_end - c + PANEL_MR - 1) / PANEL_MR;
-            for (int64_t g = begin; g < end; g += PANEL_GROUP) {
-                const int64_t g_end = std::min(end, g + PANEL_GROUP), width = (g_end - g) * PANEL;
-                for (int64_t b = 0; b < k; b += PANEL_KC) {
-                    const int64_t length = std::min(PANEL_KC, k - b);
-                    for (int64_t p = g; p < g_end; p++) {
-                        const float* w = panels + p * k * PANEL + b * PANEL;
-                        const Prefetches next(w + k * PANEL, p + 1 < g_end ? 1 : 0, 0, length * PANEL * int64_t(sizeof(float)), tiles);
-                        int64_t tile = 0;
-                        by_row_tiles<PANEL_MR>(c, c_end, [&]<int R>(int64_t m) {
-                            next.share(tile++);
-                            panel_tile<R, 1>(x + m * k + b, k, w, 0, length, sums.data() + (m - c) * width + (p - g) * PANEL,
-                                             width, b == 0, false);
-                        });
-                    }
-                }
-                for (int64_t m = c; m < c_end; m++)
-                    for (int64_t t = 0; t < width; t += 8)
-                        store8(y + m * n + g * PANEL + t, _mm256_loadu_ps(sums.data() + (m - c) * width + t));
-            }
-        }
+        for (int64_t c = 0; c < rows; c += chunk)
+            for (int64_t g = begin; g < end; g += group)
+                by_row_tiles<PANEL_MR>(c, std::min(rows, c + chunk), [&]<int R>(int64_t m) {
+                    for (int64_t p = g; p < std::min(end, g + group); p++)
+                        panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, false);
+                });
     }, 1);
 }
 
