@@ -12,8 +12,8 @@ layers.py's definition, as llama.cpp does) as integers.
 use_matvec swaps the class of each linear layer and transformer block for a subclass that adds
 a fast path and keeps the module's state: inputs on CPU, without autograd or autocast, with
 weights the kernels read in place, run the kernels, and a block's forward runs in one call
-(block_on_kernels). Built for AVX2 (no AVX-512), the kernels hold float32 weights in panels of
-sixteen outputs instead, which prompts read at about BLAS speed (MatvecLinear.hold_panels).
+(block_on_kernels). float32 weights are held in panels of sixteen outputs instead, which prompts
+read at BLAS speed or faster (MatvecLinear.hold_panels).
 Everything else runs the parent class's own code: the same function, up to the order of float
 sums. Compiled with the fused RMSNorm (build.py), and checked against known answers when first
 loaded.
@@ -91,9 +91,9 @@ class MatvecLinear(nn.Linear):
     """nn.Linear (no bias) on the dense kernel: y = x W^T in float32 arithmetic, in x's dtype.
     Under autocast, torch's F.linear (autocast decides the dtypes).
 
-    Where the kernels read float32 weights fastest in panels (panels_preferred: AVX2),
-    hold_panels keeps `weight` as (out / 16, in, 16); state_dict, load_state_dict and torch's
-    code still see rows (weight_rows)."""
+    A float32 weight the kernels read in panels (holds_panels), hold_panels keeps as
+    (out / 16, in, 16); state_dict, load_state_dict and torch's code still see rows
+    (weight_rows)."""
 
     in_panels = False
 
@@ -129,11 +129,6 @@ class MatvecLinear(nn.Linear):
 def to_panels(weight: torch.Tensor) -> torch.Tensor:
     """(out, in) -> (out / 16, in, 16): each panel's sixteen outputs side by side, input by input."""
     return weight.unflatten(0, (-1, PANEL)).transpose(1, 2).contiguous()
-
-
-def panels_preferred() -> bool:
-    """Whether the kernels read float32 weights fastest in panels (built for AVX2, not AVX-512)."""
-    return operators().dense_in_panels()
 
 
 def holds_panels(linear, shared: set) -> bool:
@@ -205,12 +200,11 @@ def use_matvec(model: nn.Module) -> nn.Module:
             refused[module], module.__class__ = why, TransformerBlock
             continue
         module.__class__ = FASTER.get(type(module), type(module))
-    if panels_preferred():
-        counts = collections.Counter(id(t) for _, t in model.named_parameters(remove_duplicate=False))
-        shared = {key for key, count in counts.items() if count > 1}
-        for module in model.modules():
-            if holds_panels(module, shared):
-                module.hold_panels()
+    counts = collections.Counter(id(t) for _, t in model.named_parameters(remove_duplicate=False))
+    shared = {key for key, count in counts.items() if count > 1}
+    for module in model.modules():
+        if holds_panels(module, shared):
+            module.hold_panels()
     if refused:
         log.warning("llama_mini: %s", _describe_refusals(model, refused))
     return model

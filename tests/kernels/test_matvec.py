@@ -55,7 +55,7 @@ def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
     torch.set_num_threads(1)
 
 
-# Float32 weights in panels of sixteen outputs (the form AVX2 builds read; every build computes it).
+# Float32 weights in panels of sixteen outputs, as use_matvec holds them.
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, n, k", [(1, 16, 1), (2, 48, 200), (3, 64, 768), (4, 32, 40), (67, 80, 300), (130, 272, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -295,9 +295,9 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
     use_matvec(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is MatvecLinear for m in linears)
-    # Shared, not copied; but where this build reads float32 weights in panels (AVX2), those.
+    # Shared, not copied; but float32 weights the kernels read in panels, those.
     in_panels = {name + ".weight" for name, m in model.named_modules() if getattr(m, "in_panels", False)}
-    assert bool(in_panels) == ops.dense_in_panels()
+    assert in_panels
     assert {name: p.data_ptr() for name, p in model.named_parameters() if name not in in_panels} == {
         name: ptr for name, ptr in weights.items() if name not in in_panels}
     for name in in_panels:
@@ -312,7 +312,7 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
 
 
 def test_a_model_cast_after_use_matvec_computes_what_the_cast_model_does(ops):
-    """Cast to bfloat16 after use_matvec, float32 weights held in panels (AVX2) become bfloat16
+    """Cast to bfloat16 after use_matvec, float32 weights held in panels become bfloat16
     panels, which the kernels do not read: those layers run torch's code on their rows."""
     model, reference = use_matvec(kernel_model()), kernel_model()
     model.to(torch.bfloat16), reference.to(torch.bfloat16)

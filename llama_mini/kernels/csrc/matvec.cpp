@@ -14,9 +14,9 @@
 //   meets MR rows of x.
 //
 // Each output is summed in the same order whatever the tile, chunk or thread (simd.h), so a
-// row's result does not depend on the rows beside it: batched equals alone, bit for bit. With
-// AVX2, float32 weights are held in panels of sixteen outputs instead (linear_panels), each
-// output summed input after input, for the same reason.
+// row's result does not depend on the rows beside it: batched equals alone, bit for bit.
+// float32 weights are held in panels of sixteen outputs instead (linear_panels), each output
+// summed input after input, for the same reason.
 //
 // Integer weights are multiplied as integers, as llama.cpp does: the activations are rounded
 // to int8 in blocks of 32 (Q8_0), vpmaddubsw or VNNI's vpdpbusd multiply four weights of a row
@@ -249,22 +249,25 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
         dense_packed(x, w, y, rows, n, k, threads);
 }
 
-// --- Dense float32 weights in panels (AVX2) ---------------------------------------------------
+// --- Dense float32 weights in panels ------------------------------------------------------------
 //
-// With AVX2's eight lanes, a tile of rows of x against rows of W reads a vector of each for every
-// few multiply-adds, and a prompt is bound by loads, at 0.6-0.75x torch's sgemm. Held in
-// panels of sixteen outputs, input-major (matvec.h), the weights meet each input of a row
-// broadcast to all lanes: a tile of PANEL_MR rows against one panel does twelve multiply-adds
-// per two vectors of weights, as BLAS kernels do; a decoding step streams a few panels in
-// order. Each output is then summed input after input, from zero, by fused multiply-adds,
-// whatever the tile, chunk or thread: a row's result does not depend on the rows beside it.
+// A tile of rows of x against rows of W reads a vector of each for every few multiply-adds, and
+// a prompt is bound by loads: 0.6-0.75x torch's sgemm with AVX2's eight lanes, 0.61-0.85x with
+// AVX-512's sixteen. Held in panels of sixteen outputs, input-major (matvec.h), the weights meet
+// each input of a row broadcast to all lanes: a tile of PANEL_MR rows against PANEL_NP panels
+// does 6 x PANEL_NP sixteen-lane multiply-adds per PANEL_NP loads of weights, as BLAS kernels
+// do; a decoding step streams a few panels in order. Each output is then summed input after
+// input, from zero, by fused multiply-adds, whatever the tile, chunk or thread: a row's result
+// does not depend on the rows beside it.
 
 constexpr int PANEL = 16;  // outputs per panel
-constexpr int PANEL_MR = 6;  // rows of x against a panel in a prompt's tile
+constexpr int PANEL_MR = 6;  // rows of x in a prompt's tile
+#ifdef SIMD_WIDE
+constexpr int PANEL_NP = 4;  // panels in a prompt's tile: 24 accumulators of AVX-512's 32 registers
+#else
+constexpr int PANEL_NP = 1;  // 12 of AVX2's 16 (two registers a panel)
+#endif
 constexpr int64_t PANEL_STREAMED = 3;  // rows up to which a product streams the panels (a decoding step)
-
-inline __m256 broadcast1(const float* p) { return _mm256_broadcast_ss(p); }
-inline __m256 broadcast1(const uint16_t* p) { return _mm256_set1_ps(bf16_to_float(*p)); }
 
 // y[r * y_row + 16 p + q] (r < R, p < NP, q < 16): inputs [0, k) of R rows of x (x_row apart)
 // times NP panels (panel_stride apart, sixteen outputs an input), summed input after input from
@@ -273,33 +276,33 @@ inline __m256 broadcast1(const uint16_t* p) { return _mm256_set1_ps(bf16_to_floa
 template <int R, int NP, typename X, typename Y>
 void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride, int64_t k, Y* y, int64_t y_row,
                 bool prefetch_ahead) {
-    __m256 acc[R][NP][2];
+    Floats16 acc[R][NP];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; p++)
-            for (int h = 0; h < 2; h++) acc[r][p][h] = _mm256_setzero_ps();
+        for (int p = 0; p < NP; p++) acc[r][p] = Floats16::zero();
 #pragma GCC unroll 4
     for (int64_t j = 0; j < k; j++, w += PANEL) {
-        __m256 wv[NP][2];
+        Floats16 wv[NP];
 #pragma GCC unroll 8
         for (int p = 0; p < NP; p++) {
             if (prefetch_ahead) prefetch(w + p * panel_stride + PREFETCH_BYTES / sizeof(float));
-            wv[p][0] = _mm256_loadu_ps(w + p * panel_stride), wv[p][1] = _mm256_loadu_ps(w + p * panel_stride + 8);
+            wv[p] = Floats16::load(w + p * panel_stride);
         }
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            const __m256 xb = broadcast1(x + r * x_row + j);
+            const Floats16 xb = Floats16::all(load1(x + r * x_row + j));
 #pragma GCC unroll 8
-            for (int p = 0; p < NP; p++)
-                for (int h = 0; h < 2; h++) acc[r][p][h] = _mm256_fmadd_ps(wv[p][h], xb, acc[r][p][h]);
+            for (int p = 0; p < NP; p++) acc[r][p] = fma(wv[p], xb, acc[r][p]);
         }
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
-        for (int p = 0; p < NP; p++)
-            for (int h = 0; h < 2; h++) store8(y + r * y_row + PANEL * p + 8 * h, acc[r][p][h]);
+        for (int p = 0; p < NP; p++) {
+            store8(y + r * y_row + PANEL * p, acc[r][p].low());
+            store8(y + r * y_row + PANEL * p + 8, acc[r][p].high());
+        }
 }
 
 // A few rows (a decoding step): bound by memory. Each thread streams its band of panels, a few
@@ -318,19 +321,19 @@ void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_
 }
 
 // More rows (a prompt): bound by arithmetic. Chunks of up to PANEL_CHUNK rows, then groups of
-// panels that fill a quarter of the second-level cache: each tile of PANEL_MR rows meets every
-// panel of the group in turn, so the group is read from there, x once per group.
-constexpr int64_t PANEL_CHUNK = 171 * PANEL_MR;
+// panels that fill a quarter of the second-level cache: each tile of PANEL_MR rows meets the
+// group's panels in turn, PANEL_NP at a time, so the group is read from there, x once per group.
+constexpr int64_t PANEL_CHUNK = 171 * PANEL_MR;  // 1,026 rows: fewer chunks stream the weights fewer times
 
 // Panels per group for k inputs: a quarter of this CPU's second-level cache (1 MB where the C
-// library does not say).
+// library does not say), and a tile's at least.
 inline int64_t panel_group(int64_t k) {
 #ifdef _SC_LEVEL2_CACHE_SIZE
     static const int64_t l2 = sysconf(_SC_LEVEL2_CACHE_SIZE) > 0 ? sysconf(_SC_LEVEL2_CACHE_SIZE) : 1 << 20;
 #else
     constexpr int64_t l2 = 1 << 20;
 #endif
-    return std::max<int64_t>(1, l2 / 4 / (k * PANEL * int64_t(sizeof(float))));
+    return std::max<int64_t>(PANEL_NP, l2 / 4 / (k * PANEL * int64_t(sizeof(float))));
 }
 
 template <typename X, typename Y>
@@ -341,7 +344,11 @@ void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64
         for (int64_t c = 0; c < rows; c += chunk)
             for (int64_t g = begin; g < end; g += group)
                 by_row_tiles<PANEL_MR>(c, std::min(rows, c + chunk), [&]<int R>(int64_t m) {
-                    for (int64_t p = g; p < std::min(end, g + group); p++)
+                    const int64_t g_end = std::min(end, g + group);
+                    int64_t p = g;
+                    for (; p + PANEL_NP <= g_end; p += PANEL_NP)
+                        panel_tile<R, PANEL_NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, y + m * n + p * PANEL, n, false);
+                    for (; p < g_end; p++)
                         panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, false);
                 });
     }, 1);
@@ -515,14 +522,6 @@ extern "C" void linear_panels(const void* x, const float* panels, void* y, int64
     else run(static_cast<const float*>(x));
 }
 
-extern "C" int dense_in_panels() {
-#ifdef SIMD_WIDE
-    return 0;  // sixteen lanes over a row's inputs keep a prompt's tiles busy: rows as they are
-#else
-    return 1;
-#endif
-}
-
 extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
                                      int64_t k, int threads) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -587,7 +586,6 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 extern "C" int matvec_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_panels(const void*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
-extern "C" int dense_in_panels() { return 0; }
 extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}

@@ -18,11 +18,9 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
 
 // W float32 held in panels of sixteen outputs, input-major: panels (n / 16, k, 16), panel p's
 // input j of output q at panels[p][j][q] = W[16p + q, j]; y in x's dtype. Each output summed
-// input after input, from zero (matvec.cpp). The form dense_in_panels() says this build's
-// prompts run fastest in (AVX2: 1; AVX-512: 0, rows as they are, linear_dense).
+// input after input, from zero (matvec.cpp).
 extern "C" void linear_panels(const void* x, const float* panels, void* y, int64_t rows, int64_t n, int64_t k,
                               int x_bf16, int threads);
-extern "C" int dense_in_panels();
 
 // Activations for the integer kernels: each row of x cut into blocks of 32, each block
 // rounded to int8 with its own scale (absmax / 127), as llama.cpp's Q8_0 does. xq is

@@ -258,13 +258,11 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
 }
 
 bool available() { return matvec_available() != 0; }
-bool in_panels() { return dense_in_panels() != 0; }
 
 }  // namespace llama_mini
 
 TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
-    m.def("dense_in_panels() -> bool", &llama_mini::in_panels);
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
