@@ -305,18 +305,24 @@ void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride,
         }
 }
 
+// Rows [m, m + R) against panels [from, to): NP panels a tile, then the rest one by one.
+template <int R, int NP, typename X, typename Y>
+void across_panels(const X* x, const float* panels, Y* y, int64_t m, int64_t from, int64_t to, int64_t n, int64_t k,
+                   bool prefetch_ahead) {
+    int64_t p = from;
+    for (; p + NP <= to; p += NP)
+        panel_tile<R, NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, y + m * n + p * PANEL, n, prefetch_ahead);
+    for (; p < to; p++) panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, prefetch_ahead);
+}
+
 // A few rows (a decoding step): bound by memory. Each thread streams its band of panels, a few
 // side by side (as many as leave the accumulators in registers), in one pass over all inputs.
 template <typename X, typename Y>
 void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
-        const auto across = [&]<int R, int NP>(int64_t m) {
-            int64_t p = begin;
-            for (; p + NP <= end; p += NP)
-                panel_tile<R, NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, y + m * n + p * PANEL, n, true);
-            for (; p < end; p++) panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, true);
-        };
-        by_row_tiles<PANEL_STREAMED>(0, rows, [&]<int R>(int64_t m) { across.template operator()<R, R == 1 ? 4 : R == 2 ? 3 : 2>(m); });
+        by_row_tiles<PANEL_STREAMED>(0, rows, [&]<int R>(int64_t m) {
+            across_panels<R, R == 1 ? 4 : R == 2 ? 3 : 2>(x, panels, y, m, begin, end, n, k, true);
+        });
     }, 1);
 }
 
@@ -344,12 +350,7 @@ void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64
         for (int64_t c = 0; c < rows; c += chunk)
             for (int64_t g = begin; g < end; g += group)
                 by_row_tiles<PANEL_MR>(c, std::min(rows, c + chunk), [&]<int R>(int64_t m) {
-                    const int64_t g_end = std::min(end, g + group);
-                    int64_t p = g;
-                    for (; p + PANEL_NP <= g_end; p += PANEL_NP)
-                        panel_tile<R, PANEL_NP>(x + m * k, k, panels + p * k * PANEL, k * PANEL, k, y + m * n + p * PANEL, n, false);
-                    for (; p < g_end; p++)
-                        panel_tile<R, 1>(x + m * k, k, panels + p * k * PANEL, 0, k, y + m * n + p * PANEL, n, false);
+                    across_panels<R, PANEL_NP>(x, panels, y, m, g, std::min(end, g + group), n, k, false);
                 });
     }, 1);
 }
