@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from llama_mini.cli import run_main  # noqa: E402
-from llama_mini.device import bfloat16_notice  # noqa: E402
+from llama_mini.support.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
 from llama_mini.trainer import NonFiniteLoss  # noqa: E402
 from llama_mini.run.config import TrainConfig, add_arguments  # noqa: E402

@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from llama_mini import generate, load_checkpoint  # noqa: E402
 from llama_mini.formats.convert import convert  # noqa: E402
-from llama_mini.gguf_file import GGUFFile  # noqa: E402
+from llama_mini.support.gguf_file import GGUFFile  # noqa: E402
 from llama_mini.tokenizers import open_tokenizer  # noqa: E402
 from llama_mini.run import corpus  # noqa: E402
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from gguf_parity import LlamaCpp, quantize_with_llama_cpp  # noqa: E402
 from llama_mini import evaluate  # noqa: E402
-from llama_mini.bits_per_byte import bits_per_byte  # noqa: E402
+from llama_mini.support.bits_per_byte import bits_per_byte  # noqa: E402
 from llama_mini.formats.convert import convert  # noqa: E402
 
 TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0")

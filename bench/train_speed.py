@@ -23,7 +23,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as train.py does, and for
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from llama_mini.device import pick_device  # noqa: E402
+from llama_mini.support.device import pick_device  # noqa: E402
 from llama_mini.trainer import flops_per_token  # noqa: E402
 from llama_mini.run.start import start_run, trains_in_bf16  # noqa: E402
 from llama_mini.run.config import TrainConfig  # noqa: E402

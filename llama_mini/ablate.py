@@ -34,7 +34,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from .cli import check_number, run_main
-from .files import atomic_write, check_new_folder
+from .support.files import atomic_write, check_new_folder
 from .model import NORMS
 from .run.config import TrainConfig, add_arguments
 from .run.plots import Curve, plot_curves

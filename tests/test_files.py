@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from llama_mini.files import atomic_write
+from llama_mini.support.files import atomic_write
 
 
 def test_a_regular_file_is_replaced_whole(tmp_path):

@@ -82,7 +82,7 @@ def test_llama2c_tokenizer_bin_encodes_the_prompt_and_prints_the_text(eos_ckpt, 
 def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     cli = load_cli()
     prompts, answers = [], iter([[450, 1234], [3869]])  # ▁The ..., ▁Yes
-    monkeypatch.setattr(cli, "generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
+    monkeypatch.setattr("llama_mini.cli.chat.generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
     # The second prompt is 39 tokens: with 8 new ones it fits the 64-token context whole.
     cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])
@@ -202,7 +202,7 @@ def test_bad_input_is_refused_in_one_line(eos_ckpt, tmp_path, monkeypatch, capsy
 def test_a_kv_cache_the_device_cannot_hold_is_refused_in_one_line_before_it_is_allocated(eos_ckpt, monkeypatch, capsys,
                                                                                       flags, positions):
     """A 16M-position cache of this model is 4 GiB; with 1 GiB free it is refused, naming both ("Hi" is 4 tokens)."""
-    from llama_mini import memory
+    from llama_mini.support import memory
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 2**30)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\n")))
@@ -221,7 +221,8 @@ def test_bytes_that_are_not_utf8_are_refused_by_the_real_cli(eos_ckpt, case):
 def test_bf16_off_the_kernels_on_a_cpu_without_fast_bf16_products_says_what_it_costs(ckpt, capsys, monkeypatch, on_kernels):
     """--compile (or a CPU the kernels do not run on) leaves bf16 products to torch: where they are
     slow, one line says how slow and what to use. On the kernels bf16 runs in float32 tiles."""
-    from llama_mini import device, inference
+    from llama_mini.support import device
+    from llama_mini.cli import loading as inference
 
     cli = load_cli()
     monkeypatch.setattr(device, "bfloat16_slowdown", lambda: 14.6)

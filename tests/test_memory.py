@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer
-from llama_mini.memory import check_fits, kv_cache_bytes, shape_parameters, shown
+from llama_mini.support.memory import check_fits, kv_cache_bytes, shape_parameters, shown
 
 SHAPES = [
     dict(dim=32, n_layers=1, n_heads=2, vocab_size=400, tie_embeddings=True),
@@ -30,7 +30,7 @@ def test_the_kv_cache_bytes_are_the_caches_the_model_allocates(shape, dtype):
 
 
 def test_what_does_not_fit_is_refused_naming_both_figures_and_the_fix(monkeypatch):
-    from llama_mini import memory
+    from llama_mini.support import memory
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 3 * 2**30)
     check_fits(3 * 2**30, "this", torch.device("cpu"), "do less")  # exactly what is free fits

@@ -6,7 +6,7 @@
 
 One table names the parameters in every layout (names.py); each format has a module of its
 own; reading.py reads files trusting nothing in them. GGUF's container is read by
-llama_mini/gguf_file.py, outside this package: tokenizers/ reads a GGUF file's vocabulary with
+llama_mini/support/gguf_file.py, outside this package: tokenizers/ reads a GGUF file's vocabulary with
 it, and this package imports tokenizers/.
 """
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..model import Transformer
 from .. import quant
-from ..files import atomic_write, is_gguf
+from ..support.files import atomic_write, is_gguf
 from ..tokenizers import copy_tokenizer
 from . import llama2c
 from .reading import is_torch_file

@@ -10,7 +10,7 @@ have them, so no shape built from two of them overflows int64).
 import math
 import typing
 
-from ..files import brief
+from ..support.files import brief
 from ..model import ModelArgs
 
 MAX_SIZE = 2**31 - 1

@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from ..cli import check_context, check_number, run_main
-from ..device import DTYPES
-from ..files import atomic_folder, check_new_folder
+from ..support.device import DTYPES
+from ..support.files import atomic_folder, check_new_folder
 from ..quant import QUANTIZATIONS
 from ..tokenizers import check_vocab_size, open_tokenizer
 from .checkpoint import FORMATS, check_writable, checkpoint_tokenizer, find_tokenizer, load_checkpoint, save_checkpoint

@@ -1,7 +1,7 @@
 """GGUF, llama.cpp's file: models of its "llama" architecture read (read_gguf) and written
 (export_gguf), so that a model held as GGUF runs here and a model trained here runs in llama.cpp.
 
-Written with the `gguf` package, llama.cpp's own writer; read with llama_mini/gguf_file.py and dequantized
+Written with the `gguf` package, llama.cpp's own writer; read with llama_mini/support/gguf_file.py and dequantized
 with gguf's own quants code. The two directions are one mapping, each fact with its inverse:
 - Tensor names are llama.cpp's (token_embd, blk.N.attn_q, ..., output_norm, output: names.py).
 - Hyperparameters are llama.cpp's llama.* keys (write_hyperparameters, args_from_gguf).
@@ -30,8 +30,8 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import Keys
 
-from ..files import atomic_write, brief
-from ..gguf_file import GGUFFile, check_llama
+from ..support.files import atomic_write, brief
+from ..support.gguf_file import GGUFFile, check_llama
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary

@@ -14,7 +14,7 @@ from typing import Optional
 from safetensors.torch import save_file
 
 from ..model import ModelArgs
-from ..files import atomic_write, brief
+from ..support.files import atomic_write, brief
 from .config_check import check_fields
 from .reading import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format

@@ -12,7 +12,7 @@ import torch
 
 from ..model import ModelArgs, ffn_hidden_dim
 from .config_check import model_args
-from ..files import atomic_write, torch_save
+from ..support.files import atomic_write, torch_save
 from .reading import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
 from .state_dict import check_fits

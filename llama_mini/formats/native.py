@@ -12,7 +12,7 @@ from typing import Optional
 
 from safetensors.torch import save_file
 
-from ..files import atomic_write
+from ..support.files import atomic_write
 from ..quant import read_quantization
 from .config_check import model_args
 from .reading import read_json, read_safetensors

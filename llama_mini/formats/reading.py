@@ -20,7 +20,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from safetensors import SafetensorError, safe_open
 
-from ..files import brief, first_line
+from ..support.files import brief, first_line
 
 # The dtypes a model can compute in; integer or 8-bit float tensors are not Llama weights.
 FLOAT_DTYPES = {torch.float16, torch.bfloat16, torch.float32, torch.float64}

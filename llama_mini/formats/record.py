@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from .. import __version__
-from ..files import brief
+from ..support.files import brief
 from ..quant import QUANTIZATIONS
 
 FORMAT_VERSION = 2

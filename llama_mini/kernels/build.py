@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "matvec.cpp", "attention.cpp", "swiglu.cpp", "rope.cpp", "matvec_op.cpp", "block_op.cpp")]

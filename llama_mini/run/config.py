@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..cli import KERNELS, check_context, check_number, flag, utf8_text
-from ..device import DTYPES
+from ..support.device import DTYPES
 from ..model import NORMS, ModelArgs
 from ..trainer import Hyperparameters
 from .data import corpus_name

@@ -36,7 +36,7 @@ import sys
 from pathlib import Path
 
 from ..cli import run_main
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 STORIES_JSON = Path(__file__).with_name("stories.json")
 STORY_DATA = json.loads(STORIES_JSON.read_text(encoding="utf-8"))

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import torch
 from tqdm import tqdm
 
-from ..files import atomic_write
+from ..support.files import atomic_write
 from ..tokenizers import Tokenizer, open_tokenizer
 from ..tokenizers.long_text import encode_long
 from ..tokenizers.spm import train_sentencepiece

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from ..cli import flag
-from ..files import atomic_folder, atomic_write, torch_save
+from ..support.files import atomic_folder, atomic_write, torch_save
 from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of
 from ..formats.record import check_run_record, format_record

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..files import atomic_write
+from ..support.files import atomic_write
 
 
 @dataclass

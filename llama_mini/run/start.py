@@ -13,10 +13,10 @@ import sys
 
 import torch
 
-from ..device import pick_device
+from ..support.device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
-from ..memory import check_fits, shape_parameters, training_bytes
+from ..support.memory import check_fits, shape_parameters, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer

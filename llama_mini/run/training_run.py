@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bits_per_byte import TextBytes, bits_per_byte
+from ..support.bits_per_byte import TextBytes, bits_per_byte
 from ..generation import generate
 from ..model import Transformer, check_fits_context
 from ..tokenizers.base import Tokenizer

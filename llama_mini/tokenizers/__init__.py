@@ -15,7 +15,7 @@ import shutil
 import struct
 from pathlib import Path
 
-from ..files import is_gguf
+from ..support.files import is_gguf
 from .base import Tokenizer
 
 # A tiktoken ranks file is text, one "base64-token rank" pair per line: "IQ== 0\n".

@@ -17,7 +17,7 @@ import re
 import numpy as np
 from gguf import GGUFValueType, GGUFWriter, Keys, TokenType
 
-from ..gguf_file import GGUFFile, check_llama
+from ..support.gguf_file import GGUFFile, check_llama
 from .base import Tokenizer
 from .llama3 import TiktokenTokenizer
 from .score_bpe import ScoreBpeTokenizer

@@ -7,7 +7,7 @@ from typing import Iterable
 
 import sentencepiece as spm
 
-from ..files import atomic_write
+from ..support.files import atomic_write
 from .base import Tokenizer
 
 

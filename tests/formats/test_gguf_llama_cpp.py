@@ -14,7 +14,7 @@ import torch
 from gguf_files import ROOT
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint
 from llama_mini.formats.gguf import export_gguf
-from llama_mini.gguf_file import GGUFFile
+from llama_mini.support.gguf_file import GGUFFile
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.run import corpus
 from fixtures import LLAMA3_TOKENIZER, require

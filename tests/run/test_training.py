@@ -120,7 +120,7 @@ def test_bf16_on_a_cpu_without_fast_bf16_products_says_once_what_it_costs(capsys
                                                                           tmp_path, slowdown):
     """Where torch multiplies bf16 matrices much slower than fp32 ones (CPUs without AVX-512 BF16
     or AMX), --dtype bfloat16 says so once, with the factor and the fix; elsewhere nothing."""
-    from llama_mini import device
+    from llama_mini.support import device
 
     monkeypatch.setattr(device, "bfloat16_slowdown", lambda: slowdown)
     argv = flags(data=text_file, cache_dir=cache_dir, out=tmp_path / "run", device="cpu", max_steps=2, dtype="bfloat16",

@@ -18,7 +18,7 @@ from gguf import Keys
 
 from fixtures import GGUF_VOCAB, LLAMA2_TOKENIZER, LLAMA3_TOKENIZER, require
 from llama_mini.formats.gguf import write_vocabulary
-from llama_mini.gguf_file import GGUFFile
+from llama_mini.support.gguf_file import GGUFFile
 from llama_mini.tokenizers import copy_tokenizer, open_tokenizer
 from llama_mini.tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece
 
@@ -239,7 +239,7 @@ def test_every_label_llama_cpp_reads_with_llama3s_regex_reads_as_llama3(tmp_path
 def test_a_vocabulary_of_more_strings_than_any_tokenizers_is_refused_before_they_are_read(tmp_path):
     """Three million one-letter tokens (27 MB) would take about 14 times their bytes as Python
     strings; the count is refused from the array's header."""
-    from llama_mini.gguf_file import MAX_STRINGS
+    from llama_mini.support.gguf_file import MAX_STRINGS
 
     count = MAX_STRINGS + 1
     key = Keys.Tokenizer.LIST.encode()

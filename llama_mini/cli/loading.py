@@ -5,12 +5,12 @@ and `python -m llama_mini.evaluate` share, so both read every format, --dtype, -
 import sys
 import time
 
-from .cli import KERNELS
-from .device import DTYPES, bfloat16_notice, pick_device
-from .formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
-from .kernels import on_kernels, use_fused_rmsnorm, use_matvec
-from .quant import QUANTIZATIONS, hold_plain_rows, parameter_count, quantized_notice
-from .tokenizers import check_vocab_size, open_tokenizer
+from . import KERNELS
+from ..support.device import DTYPES, bfloat16_notice, pick_device
+from ..formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
+from ..kernels import on_kernels, use_fused_rmsnorm, use_matvec
+from ..quant import QUANTIZATIONS, hold_plain_rows, parameter_count, quantized_notice
+from ..tokenizers import check_vocab_size, open_tokenizer
 
 
 def add_model_arguments(p) -> None:

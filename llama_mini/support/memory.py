@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from .model import ModelArgs, ffn_hidden_dim
+from ..model import ModelArgs, ffn_hidden_dim
 
 GiB = 2**30
 
