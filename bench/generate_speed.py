@@ -49,7 +49,7 @@ from fixtures import LLAMA2_TOKENIZER  # noqa: E402
 from llama_mini import ModelArgs, Transformer, generate  # noqa: E402
 from llama_mini.generation import decode_one_token  # noqa: E402
 from llama_mini.formats.hf import hf_config_from_args, to_hf_state_dict  # noqa: E402
-from llama_mini.kernels import use_fused_rmsnorm, use_matvec  # noqa: E402
+from llama_mini.kernels import use_fused_rmsnorm, use_cpu_kernels  # noqa: E402
 from llama_mini.model import KVCache  # noqa: E402
 from llama_mini.quant import hold_plain_rows, quantize  # noqa: E402
 
@@ -93,7 +93,7 @@ def llama_mini_variants(base: Transformer, kernels: bool = True) -> dict:
                 "int8": quantize(copy.deepcopy(base), "int8").to(torch.bfloat16),
                 "int4": quantize(copy.deepcopy(base), "int4").to(torch.bfloat16)}
     models = {"fp32": base, **variants}
-    return {name: use_matvec(use_fused_rmsnorm(model)) if kernels else hold_plain_rows(model) for name, model in models.items()}
+    return {name: use_cpu_kernels(use_fused_rmsnorm(model)) if kernels else hold_plain_rows(model) for name, model in models.items()}
 
 
 def transformers_model(base: Transformer, dtype):
@@ -241,7 +241,7 @@ def float32_activation_errors(base, prompt, expected) -> dict:
             for name in ("scales", "zeros"):
                 if isinstance(getattr(module, name, None), torch.Tensor):
                     setattr(module, name, getattr(module, name).bfloat16())
-        errors[method] = logits_error(logits_ours(use_matvec(use_fused_rmsnorm(model)), prompt), expected)
+        errors[method] = logits_error(logits_ours(use_cpu_kernels(use_fused_rmsnorm(model)), prompt), expected)
     return errors
 
 

@@ -36,7 +36,8 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from llama_mini.kernels import build, matvec  # noqa: E402
+from llama_mini.kernels import build, use_cpu_kernels  # noqa: E402
+from llama_mini.kernels.operators import operators  # noqa: E402
 
 # (output, input) of each weight matrix: wq, wk, wv, wo, w1, w2, w3, and the head.
 SHAPES = {
@@ -52,10 +53,10 @@ def timed(run) -> float:
 
 
 def as_held(weight: torch.Tensor) -> torch.Tensor:
-    """weight as use_matvec holds it for the kernels: in panels where they read float32 so (AVX2)."""
+    """weight as use_cpu_kernels holds it for the kernels: in panels where they read float32 so (AVX2)."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return matvec.use_matvec(torch.nn.Sequential(linear))[0].weight
+    return use_cpu_kernels(torch.nn.Sequential(linear))[0].weight
 
 
 def off_kernels(sizes, rounds: int) -> None:
@@ -104,7 +105,7 @@ def main():
         torch.set_num_threads(args.threads)
     if args.off_kernels:
         return off_kernels(args.sizes, args.rounds)
-    ops = matvec.operators()
+    ops = operators()
     if ops is None:
         sys.exit("no CPU kernels here (they need x86-64 with AVX2 and FMA)")
     isa = build.isa()

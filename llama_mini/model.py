@@ -295,8 +295,12 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, args.dim, bias=False)
         self.w3 = nn.Linear(args.dim, hidden, bias=False)
 
+    def gate(self, a, b):
+        """SwiGLU's gate, silu(a) * b (kernels/fused_swiglu.py computes the same in one pass for training)."""
+        return F.silu(a) * b
+
     def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.gate(self.w1(x), self.w3(x)))
 
 
 # --- The Transformer -----------------------------------------------------------------------

@@ -157,7 +157,7 @@ def test_a_training_step_runs_the_trainer_the_model_the_fused_layers_and_the_dat
         assert set(step) == expected
 
 
-def test_a_decoding_step_runs_generation_and_the_model_only_and_matvec_where_applied():
+def test_a_decoding_step_runs_generation_and_the_model_only_and_the_kernels_where_applied():
     code = (
         "import torch\n"
         "from llama_mini.generation import generate_stream\n"
@@ -171,16 +171,18 @@ def test_a_decoding_step_runs_generation_and_the_model_only_and_matvec_where_app
         "    steps.close()\n"
         "    return files\n"
         "found = {'plain': decoding_step()}\n"
-        "from llama_mini.kernels import matvec\n"
-        "if matvec.operators() is not None:\n"
-        "    matvec.use_matvec(model)\n"
-        "    found['matvec'] = decoding_step()\n"
+        "from llama_mini.kernels import use_cpu_kernels\n"
+        "from llama_mini.kernels.operators import operators\n"
+        "if operators() is not None:\n"
+        "    use_cpu_kernels(model)\n"
+        "    found['kernels'] = decoding_step()\n"
         "print(json.dumps(found))\n"
     )
     found = files_run_in_a_child(code)
     assert found["plain"] == ["llama_mini/generation.py", "llama_mini/model.py"]
-    if "matvec" in found:  # where the kernels build (x86-64 with AVX2 and FMA)
-        assert found["matvec"] == ["llama_mini/generation.py", "llama_mini/kernels/matvec.py", "llama_mini/model.py"]
+    if "kernels" in found:  # where the kernels build (x86-64 with AVX2 and FMA)
+        assert found["kernels"] == ["llama_mini/generation.py", "llama_mini/kernels/block.py", "llama_mini/kernels/linear.py",
+                                    "llama_mini/model.py"]
 
 
 def test_a_model_is_built_and_trained_with_model_py_alone_loading_and_compiling_nothing(tmp_path):

@@ -8,7 +8,7 @@ import time
 from . import KERNELS
 from ..support.device import DTYPES, bfloat16_notice, pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
-from ..kernels import on_kernels, use_fused_rmsnorm, use_matvec
+from ..kernels import on_kernels, use_fused_rmsnorm, use_cpu_kernels
 from ..quant import QUANTIZATIONS, hold_plain_rows, parameter_count, quantized_notice
 from ..tokenizers import check_vocab_size, open_tokenizer
 
@@ -46,7 +46,7 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
         file=sys.stderr,
     )
     if device.type == "cpu" and args.kernels == "auto" and not args.compile:
-        use_matvec(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
+        use_cpu_kernels(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
     if quantization and not on_kernels(model):
         hold_plain_rows(model)
     if args.compile:

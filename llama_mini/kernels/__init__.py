@@ -3,17 +3,20 @@
     use_fused_rmsnorm(model)   RMSNorm in one pass over memory each way (fused_rmsnorm.py)
     use_fused_swiglu(model)    the feed-forward's gate in one pass each way, for training (fused_swiglu.py)
     use_fused_rope(model)      RoPE in one pass each way, for training: the model's bits (fused_rope.py)
-    use_matvec(model)          linear layers and blocks on the CPU kernels, for prompts and decoding steps (matvec.py)
+    use_cpu_kernels(model)     linear layers and whole blocks on the kernels, for prompts and decoding
+                               steps (cpu_kernels.py: linear.py, block.py)
 
 Each swaps modules for subclasses that compute the same function faster, keeping every weight
-and state-dict name. The kernels compile into one library, once per machine, when first
-applied (build.py); importing this package compiles and loads nothing.
+and state-dict name (operators.swap_classes), and only where the core code the subclass stands
+in for is the code it was written for (fingerprints.py): a layer whose core function was edited
+keeps the edited code, and one line says so. The kernels compile into one library, once per
+machine, when first applied (build.py); importing this package compiles and loads nothing.
 """
 
+from .cpu_kernels import on_kernels, use_cpu_kernels
 from .fused_rmsnorm import FusedRMSNorm, use_fused_rmsnorm
 from .fused_rope import FusedAttention, use_fused_rope
 from .fused_swiglu import FusedFeedForward, use_fused_swiglu
-from .matvec import on_kernels, use_matvec
 
-__all__ = ["FusedAttention", "FusedFeedForward", "FusedRMSNorm", "on_kernels", "use_fused_rmsnorm", "use_fused_rope",
-           "use_fused_swiglu", "use_matvec"]
+__all__ = ["FusedAttention", "FusedFeedForward", "FusedRMSNorm", "on_kernels", "use_cpu_kernels", "use_fused_rmsnorm",
+           "use_fused_rope", "use_fused_swiglu"]

@@ -28,6 +28,8 @@ from torch import nn
 
 from ..model import RMSNorm
 from . import build
+from .fingerprints import changed, notice_changed
+from .operators import swap_classes
 
 # (input dtype, weight dtype) pairs the CPU kernel implements (csrc/rms_norm.h); the output
 # dtype is their promotion, as in Meta's `type_as(x) * weight`. Other pairs use the reference.
@@ -63,6 +65,8 @@ class FusedRMSNorm(RMSNorm):
     break the graph.
     """
 
+    layer, computes = "fused RMSNorm", ("model:RMSNorm.forward", "model:RMSNorm._norm")
+
     def __init__(self, dim: int, eps: float = 1e-6, p: float = 1.0, fallback: bool = True):
         super().__init__(dim, eps, p)
         self.fallback = fallback
@@ -84,7 +88,9 @@ def use_fused_rmsnorm(model: nn.Module, fallback: bool = True) -> nn.Module:
 
     On CPU each RMSNorm becomes a FusedRMSNorm (its class is swapped: the weight, the state-dict
     names and the numbers stay), and the kernel is compiled (once per machine) or loaded now,
-    so a one-time build comes before any training starts. On CUDA each RMSNorm is compiled.
+    so a one-time build comes before any training starts, where RMSNorm's code is the one the kernel
+    was written for (fingerprints.py; edited, it stays, with one line). On CUDA each RMSNorm is
+    compiled, whatever its code.
     Where neither can run, fallback=True leaves the model's own RMSNorm after one notice, and
     fallback=False raises. Apply it after the model is on its device.
     """
@@ -96,14 +102,18 @@ def use_fused_rmsnorm(model: nn.Module, fallback: bool = True) -> nn.Module:
         for norm in norms:
             norm.compile()
         return model
+    if edited := changed(FusedRMSNorm.computes):  # before the kernel's check, which holds it to the edited code
+        notice_changed(FusedRMSNorm.layer, edited)
+        return model
     reason = cpu_kernel()[1] if device == "cpu" else f"no fused kernel for device {device}"
     if reason is not None:
         if not fallback:
             raise RuntimeError(f"fused RMSNorm cannot run here: {reason}; apply it with fallback=True to keep the reference")
         notice_fallback(reason)
         return model
+    swap_classes(model, {RMSNorm: FusedRMSNorm})
     for norm in norms:
-        norm.__class__, norm.fallback = FusedRMSNorm, fallback
+        norm.fallback = fallback
     return model
 
 

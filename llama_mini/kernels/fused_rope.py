@@ -11,12 +11,14 @@ import torch
 from torch import nn
 
 from ..model import Attention
-from .matvec import FLOATS, swap_on_cpu
+from .operators import FLOATS, on_the_cpu, operators, swap_classes
 
 
 class FusedAttention(Attention):
     """Attention whose RoPE runs the kernels' rope on CPU float32 and bfloat16 with head sizes a
     multiple of 8; the model's own code elsewhere, and under torch.compile (Inductor fuses it)."""
+
+    layer, computes = "fused RoPE", ("model:Attention.rotate", "model:apply_rotary_emb")
 
     def rotate(self, x, cos, sin):
         if x.is_cpu and x.dtype in FLOATS and x.shape[-1] % 8 == 0 and not torch.compiler.is_compiling():
@@ -25,6 +27,8 @@ class FusedAttention(Attention):
 
 
 def use_fused_rope(model: nn.Module) -> nn.Module:
-    """Run model's RoPE fused where the CPU kernels load (each Attention becomes a
-    FusedAttention: swap_on_cpu); returns model."""
-    return swap_on_cpu(model, Attention, FusedAttention)
+    """Run model's RoPE fused where the CPU kernels load (each Attention becomes a FusedAttention,
+    where Attention.rotate and apply_rotary_emb are the code it was written for); returns model."""
+    if on_the_cpu(model) and operators() is not None:
+        swap_classes(model, {Attention: FusedAttention})
+    return model

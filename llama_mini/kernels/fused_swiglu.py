@@ -12,25 +12,27 @@ exactly, as every element's result depends on nothing but its inputs.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..model import FeedForward
-from .matvec import FLOATS, swap_on_cpu
+from .operators import FLOATS, on_the_cpu, operators, swap_classes
 
 
 class FusedFeedForward(FeedForward):
     """FeedForward whose gate runs the kernels' swiglu on CPU float32 and bfloat16; its own
     code elsewhere, and under torch.compile (Inductor fuses it by itself)."""
 
-    def forward(self, x):
-        a, b = self.w1(x), self.w3(x)
+    layer, computes = "fused SwiGLU", ("model:FeedForward.gate",)
+
+    def gate(self, a, b):
         if a.is_cpu and a.dtype in FLOATS and not torch.compiler.is_compiling():
-            return self.w2(torch.ops.llama_mini.swiglu(a, b))
-        return self.w2(F.silu(a) * b)
+            return torch.ops.llama_mini.swiglu(a, b)
+        return super().gate(a, b)
 
 
 def use_fused_swiglu(model: nn.Module) -> nn.Module:
     """Run model's feed-forward gates fused where the CPU kernels load (each FeedForward becomes
-    a FusedFeedForward: swap_on_cpu); returns model."""
-    return swap_on_cpu(model, FeedForward, FusedFeedForward)
+    a FusedFeedForward, where FeedForward.gate is the code it was written for); returns model."""
+    if on_the_cpu(model) and operators() is not None:
+        swap_classes(model, {FeedForward: FusedFeedForward})
+    return model

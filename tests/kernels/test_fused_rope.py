@@ -6,13 +6,14 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer
-from llama_mini.kernels import FusedAttention, matvec, use_fused_rope, use_fused_swiglu
+from llama_mini.kernels import FusedAttention, use_fused_rope, use_fused_swiglu
+from llama_mini.kernels.operators import operators
 from llama_mini.model import Attention, FeedForward, apply_rotary_emb, rope_cos_sin
 from fixtures import assert_swaps_every, tiny_model
 
 KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RoPEFunction>"  # kernels/csrc/matvec_op.cpp
 
-requires_kernels = pytest.mark.skipif(matvec.operators() is None, reason="no vector kernels on this machine (x86-64 with AVX2 and FMA)")
+requires_kernels = pytest.mark.skipif(operators() is None, reason="no vector kernels on this machine (x86-64 with AVX2 and FMA)")
 pytestmark = requires_kernels
 
 
@@ -88,7 +89,8 @@ def test_torch_compile_traces_the_models_code_in_one_graph():
 
 @pytest.mark.parametrize("use, attribute, base", [(use_fused_rope, "attention", Attention), (use_fused_swiglu, "feed_forward", FeedForward)])
 def test_where_the_kernels_do_not_run_the_training_fusions_leave_the_model_as_it_is(monkeypatch, use, attribute, base):
-    monkeypatch.setattr("llama_mini.kernels.matvec.operators", lambda: None)  # no AVX2, or no compiler
+    for module in ("fused_rope", "fused_swiglu"):
+        monkeypatch.setattr(f"llama_mini.kernels.{module}.operators", lambda: None)  # no AVX2, or no compiler
     model = use(Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=16)))
     assert type(getattr(model.layers[0], attribute)) is base
     monkeypatch.undo()

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from llama_mini.kernels import build, matvec
+from llama_mini.kernels import build
+from llama_mini.kernels.operators import operators
 
 ROOT = Path(__file__).resolve().parents[2]
 # The tests of the kernels' numbers: operators, a model on the kernels, the fused norm and gate, the
@@ -33,7 +34,7 @@ def in_child(isa: str, *args, timeout=1800) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("isa", BELOW_NATIVE)
 def test_the_kernel_tests_pass_built_for_every_instruction_set_this_cpu_runs(isa):
-    has_vectors = in_child(isa, "-c", "from llama_mini.kernels import matvec; print(matvec.operators() is not None)")
+    has_vectors = in_child(isa, "-c", "from llama_mini.kernels.operators import operators; print(operators() is not None)")
     assert has_vectors.returncode == 0 and has_vectors.stdout.strip() == str(isa != "x86-64"), has_vectors.stderr
     result = in_child(isa, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS, "-k", "not build")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
@@ -42,9 +43,9 @@ def test_the_kernel_tests_pass_built_for_every_instruction_set_this_cpu_runs(isa
 LINEAR_OUTPUTS = r"""
 import sys, torch
 sys.path.insert(0, "tests/kernels")
-from llama_mini.kernels import matvec
+from llama_mini.kernels.operators import operators
 from linear_outputs import linear_outputs
-torch.save(linear_outputs(matvec.operators()), sys.argv[1])
+torch.save(linear_outputs(operators()), sys.argv[1])
 """
 
 
@@ -52,7 +53,7 @@ torch.save(linear_outputs(matvec.operators()), sys.argv[1])
 def test_the_integer_layers_give_the_same_numbers_under_every_instruction_set(isa, tmp_path):
     """int8 and int4 sum each block exactly as integers, then take the same float32 steps in
     the same order, in sixteen lanes or two halves of eight: the same bits on every CPU."""
-    ops = matvec.operators()
+    ops = operators()
     if ops is None:
         pytest.skip("no vector kernels on this CPU")
     from linear_outputs import linear_outputs

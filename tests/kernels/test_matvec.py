@@ -1,4 +1,4 @@
-"""The CPU kernels (llama_mini/kernels/matvec.py): each operator against a float64 known
+"""The CPU kernels (llama_mini/kernels/linear.py, block.py): each operator against a float64 known
 answer at every row count, the attention step against the model's own code, a layer's step
 against its operators, and a model on the kernels against transformers and through generate.py."""
 
@@ -12,8 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from llama_mini import ModelArgs, generate, load_checkpoint, save_checkpoint
-from llama_mini.kernels import matvec, use_matvec
-from llama_mini.kernels.matvec import KernelBlock, MatvecLinear
+from llama_mini.kernels import use_cpu_kernels
+from llama_mini.kernels.block import KernelBlock, block_on_kernels
+from llama_mini.kernels.linear import KernelLinear
+from llama_mini.kernels.operators import operators
 from llama_mini.quant.layers import quantized_activations
 from llama_mini.quant.layout import interleave_rows, pack_int8, unpack_int8
 from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
@@ -27,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def ops():
-    ops = matvec.operators()
+    ops = operators()
     if ops is None:
         pytest.skip("no matrix-vector kernels on this machine (they need x86-64 with AVX2 and FMA)")
     return ops
@@ -55,7 +57,7 @@ def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
     torch.set_num_threads(1)
 
 
-# Float32 weights in panels of sixteen outputs, as use_matvec holds them.
+# Float32 weights in panels of sixteen outputs, as use_cpu_kernels holds them.
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, n, k", [(1, 16, 1), (2, 48, 200), (3, 64, 768), (4, 32, 40), (67, 80, 300), (130, 272, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
@@ -226,7 +228,7 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
 
     g = torch.Generator().manual_seed(0)
     layer = (Int8Linear if kind == "int8" else Int4Linear).from_weight(torch.randn(16, 96, generator=g).to(dtype))
-    fast = use_matvec(torch.nn.Sequential(copy.deepcopy(layer)))[0]
+    fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95):
         x = torch.randn(3, 96, generator=g).to(dtype)
         x[1, position] = value
@@ -239,13 +241,14 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
 # A layer without inputs runs in a child process: a division by zero would kill the process.
 NO_INPUTS = r"""
 import torch
-from llama_mini.kernels import matvec, use_matvec
+from llama_mini.kernels import use_cpu_kernels
+from llama_mini.kernels.operators import operators
 from llama_mini.quant.layers import Int4Linear, Int8Linear
-ops = matvec.operators()
+ops = operators()
 layers = [torch.nn.Linear(0, 5, bias=False), Int8Linear.from_weight(torch.empty(8, 0)), Int4Linear.from_weight(torch.empty(8, 0))]
 with torch.inference_mode():
     for layer in layers:
-        fast = use_matvec(torch.nn.Sequential(layer))[0]
+        fast = use_cpu_kernels(torch.nn.Sequential(layer))[0]
         for x in (torch.randn(3, 0), torch.randn(2, 4, 0).bfloat16()):
             assert torch.equal(fast(x), torch.nn.functional.linear(x, torch.zeros(layer.out_features, 0, dtype=x.dtype))), layer
     assert torch.equal(ops.linear_int8(torch.randn(2, 0), torch.zeros(1, 0, dtype=torch.int8), torch.ones(1, 0)), torch.zeros(2, 8))
@@ -288,13 +291,13 @@ def kernel_model(seed=0, **overrides):
     return tiny_model(seed, **{"n_heads": 8, "vocab_size": 128, "max_seq_len": 256, **overrides})
 
 
-def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
+def test_use_cpu_kernels_swaps_every_linear_and_keeps_the_weights(ops):
     model = kernel_model()
     weights = {name: p.data_ptr() for name, p in model.named_parameters()}
     state = {name: t.clone() for name, t in model.state_dict().items()}
-    use_matvec(model)
+    use_cpu_kernels(model)
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    assert linears and all(type(m) is MatvecLinear for m in linears)
+    assert linears and all(type(m) is KernelLinear for m in linears)
     # Shared, not copied; but float32 weights the kernels read in panels, those.
     in_panels = {name + ".weight" for name, m in model.named_modules() if getattr(m, "in_panels", False)}
     assert in_panels
@@ -311,10 +314,10 @@ def test_use_matvec_swaps_every_linear_and_keeps_the_weights(ops):
     assert all(model.get_parameter(name).dim() == 3 for name in in_panels)
 
 
-def test_a_model_cast_after_use_matvec_computes_what_the_cast_model_does(ops):
-    """Cast to bfloat16 after use_matvec, float32 weights held in panels become bfloat16
+def test_a_model_cast_after_use_cpu_kernels_computes_what_the_cast_model_does(ops):
+    """Cast to bfloat16 after use_cpu_kernels, float32 weights held in panels become bfloat16
     panels, which the kernels do not read: those layers run torch's code on their rows."""
-    model, reference = use_matvec(kernel_model()), kernel_model()
+    model, reference = use_cpu_kernels(kernel_model()), kernel_model()
     model.to(torch.bfloat16), reference.to(torch.bfloat16)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
@@ -341,7 +344,7 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
     model = kernel_model(n_layers=1).to(dtype)
     if quantization:
         quantize(model, quantization)
-    use_matvec(model)
+    use_cpu_kernels(model)
     block = model.layers[0]
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
@@ -352,7 +355,7 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
         for start, rows in ((12, 1), (13, 1), (14, 20)):  # decoding steps, then a chunk of a prompt
             x = torch.randn(2, rows, 64, generator=g).to(dtype)
             cos, sin = rope_cos_sin(model.args, start, rows)
-            got = matvec.block_on_kernels(block, x, cos, sin, start)
+            got = block_on_kernels(block, x, cos, sin, start)
             after = cache.k.clone(), cache.v.clone()
             cache.k.copy_(before[0]), cache.v.copy_(before[1])
             expected = block_on_the_operators(ops, block, x, cos, sin, start)
@@ -362,7 +365,7 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
 
 
 def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
-    model = use_matvec(kernel_model())
+    model = use_cpu_kernels(kernel_model())
     model.setup_cache(1, 4)
     with torch.inference_mode(), pytest.raises(ValueError, match="do not fit the KV cache"):
         model(torch.tensor([[3]]), 4)  # block_on_kernels declines; KVCache.update says what is wrong
@@ -370,15 +373,15 @@ def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
 
 def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
     """block_on_kernels gathers a block's weights once per KV cache: quantizing a model after
-    use_matvec, then generating (which sets up a new cache), runs the quantized weights."""
+    use_cpu_kernels, then generating (which sets up a new cache), runs the quantized weights."""
     from llama_mini.quant import quantize
 
-    changed, expected = use_matvec(kernel_model()), kernel_model()
+    changed, expected = use_cpu_kernels(kernel_model()), kernel_model()
     generate(changed, [[1, 2, 3]], 8, temperature=0)
     quantize(changed, "int8")
-    use_matvec(changed)  # the quantized layers onto the kernels too
+    use_cpu_kernels(changed)  # the quantized layers onto the kernels too
     quantize(expected, "int8")
-    use_matvec(expected)
+    use_cpu_kernels(expected)
     assert generate(changed, [[1, 2, 3]], 30, temperature=0) == generate(expected, [[1, 2, 3]], 30, temperature=0)
     with torch.inference_mode():
         changed.setup_cache(1, 8), expected.setup_cache(1, 8)
@@ -387,7 +390,7 @@ def test_a_model_changed_between_generations_decodes_with_its_new_weights(ops):
 
 
 def test_decoding_with_gradients_runs_the_models_own_operations(ops):
-    model = use_matvec(kernel_model())
+    model = use_cpu_kernels(kernel_model())
     model.setup_cache(1, 8)
     with torch.no_grad():
         model(torch.tensor([[1, 2]]), 0)
@@ -400,7 +403,7 @@ def test_decoding_with_gradients_runs_the_models_own_operations(ops):
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm the block operator does not take: the blocks' own code runs
 def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
     reference = kernel_model(norm=norm).to(dtype)
-    fast = use_matvec(copy.deepcopy(reference))
+    fast = use_cpu_kernels(copy.deepcopy(reference))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         for model in (reference, fast):
@@ -413,8 +416,8 @@ def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
 
 
 def test_training_runs_torchs_kernels():
-    """Gradients flow through a MatvecLinear: with autograd, torch's F.linear runs."""
-    layer = use_matvec(torch.nn.Sequential(torch.nn.Linear(32, 8, bias=False)))[0]
+    """Gradients flow through a KernelLinear: with autograd, torch's F.linear runs."""
+    layer = use_cpu_kernels(torch.nn.Sequential(torch.nn.Linear(32, 8, bias=False)))[0]
     x = torch.randn(1, 3, 32, requires_grad=True)
     layer(x).sum().backward()
     assert x.grad is not None and layer.weight.grad is not None
@@ -431,7 +434,7 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
     w = torch.randn(40, 96, generator=g)
     layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w)}
     for name, layer in layers.items():
-        layer = use_matvec(torch.nn.Sequential(layer.to(dtype)))[0]
+        layer = use_cpu_kernels(torch.nn.Sequential(layer.to(dtype)))[0]
         for rows in (2, 17, 64, 150):
             x = torch.randn(rows, 96, generator=g).to(dtype)
             with torch.inference_mode():
@@ -445,7 +448,7 @@ def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):
     wq = model.layers[0].attention.wq
     wq.weight = torch.nn.Parameter(wq.weight.detach().t().contiguous().t())  # the same values, column-major
     assert not wq.weight.is_contiguous()
-    use_matvec(model)
+    use_cpu_kernels(model)
     x = torch.randn(1, 5, 64)
     with torch.inference_mode():
         torch.testing.assert_close(wq(x), F.linear(x, wq.weight), rtol=0, atol=0)
@@ -456,14 +459,14 @@ def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):
 @pytest.mark.parametrize("quantization", [None, "int8"])
 def test_under_autocast_a_model_on_the_kernels_computes_what_it_does_off_them(ops, quantization):
     """torch.autocast(bfloat16) rounds the float layers' operands to bf16: on the kernels too, the
-    output is autocast's (MatvecLinear steps aside). The quantized layers compute their own
+    output is autocast's (KernelLinear steps aside). The quantized layers compute their own
     function, float32 arithmetic, autocast or not."""
     from llama_mini.quant import quantize
 
     reference = kernel_model()
     if quantization:
         quantize(reference, quantization)
-    fast = use_matvec(copy.deepcopy(reference))
+    fast = use_cpu_kernels(copy.deepcopy(reference))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
         off = reference(tokens)
@@ -490,12 +493,12 @@ def test_greedy_decoding_on_the_kernels_equals_transformers(ops):
     theirs.generation_config.eos_token_id = None  # token 2 is an ordinary token here: nothing stops or is suppressed
     prompt = [1, 17, 42, 99, 5]
     expected = theirs.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False, pad_token_id=0)
-    assert generate(use_matvec(ours), [prompt], 60, temperature=0)[0] == expected[0, len(prompt):].tolist()
+    assert generate(use_cpu_kernels(ours), [prompt], 60, temperature=0)[0] == expected[0, len(prompt):].tolist()
 
 
 @pytest.mark.slow
 def test_generate_cli_decodes_on_the_kernels_what_the_model_does(ops, tmp_path):
-    """generate.py runs use_matvec: its sampled text is generate()'s on a model on the kernels."""
+    """generate.py runs use_cpu_kernels: its sampled text is generate()'s on a model on the kernels."""
     from llama_mini.tokenizers import open_tokenizer
 
     fixture = require(LLAMA2_TOKENIZER)
@@ -505,6 +508,6 @@ def test_generate_cli_decodes_on_the_kernels_what_the_model_does(ops, tmp_path):
     assert result.returncode == 0, result.stderr
     tokenizer = open_tokenizer(fixture)
     prompt = tokenizer.encode("Hello")
-    fast = use_matvec(load_checkpoint(tmp_path))
+    fast = use_cpu_kernels(load_checkpoint(tmp_path))
     new = generate(fast, [prompt], 40, temperature=0.6, top_p=0.9, eos_id=tokenizer.stop_ids, seed=7)[0]
     assert result.stdout == tokenizer.decode(prompt + new) + "\n"

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer, generate
-from llama_mini.kernels import matvec, on_kernels, use_fused_rmsnorm, use_matvec
+from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
+from llama_mini.kernels.operators import operators
 from llama_mini.quant import quantize
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -19,7 +20,7 @@ IDS = [f"{str(dtype)[6:]}-{quantization or 'float'}" for dtype, quantization in 
 
 
 def needs_kernels():
-    if matvec.operators() is None:
+    if operators() is None:
         pytest.skip("no CPU kernels on this machine (they need x86-64 with AVX2 and FMA)")
 
 
@@ -39,7 +40,7 @@ def model_on_kernels(dtype, quantization, seed=0, kernels=True):
     model = Transformer(args).eval()
     if quantization:
         quantize(model, quantization)
-    return use_matvec(use_fused_rmsnorm(model.to(dtype))) if kernels else model.to(dtype)
+    return use_cpu_kernels(use_fused_rmsnorm(model.to(dtype))) if kernels else model.to(dtype)
 
 
 def share_for(dtype, quantization, kernels) -> float:
@@ -129,7 +130,7 @@ def test_each_row_is_bit_for_bit_the_same_at_any_head_size_hidden_size_and_threa
     model = Transformer(args).eval()
     if quantization:
         quantize(model, quantization)
-    model = use_matvec(use_fused_rmsnorm(model.to(getattr(torch, dtype))))
+    model = use_cpu_kernels(use_fused_rmsnorm(model.to(getattr(torch, dtype))))
     assert on_kernels(model)
     in_panels = any(getattr(m, "in_panels", False) for m in model.modules())
     assert in_panels == (dtype == "float32" and not quantization)  # float32 weights in panels of 16 outputs
@@ -153,7 +154,7 @@ def test_blocks_the_kernels_cannot_run_are_named_in_one_line_with_the_reason(cap
     needs_kernels()
     models = {
         "head size 12: the kernels take multiples of 8 up to 256": dict(dim=48, n_heads=4),
-        "its norm is LayerNorm, and the kernels run RMSNorm": dict(dim=64, n_heads=2, norm="layernorm"),
+        "its attention_norm is LayerNorm, and the kernels run RMSNorm": dict(dim=64, n_heads=2, norm="layernorm"),
         "feed_forward.w1 is int8 of shape 64 -> 172": dict(dim=64, n_heads=8, hidden_dim=172),
     }
     for reason, shape in models.items():
@@ -166,7 +167,7 @@ def test_blocks_the_kernels_cannot_run_are_named_in_one_line_with_the_reason(cap
             expected = model(tokens)
         caplog.clear()
         with caplog.at_level("WARNING"):
-            use_matvec(model)
+            use_cpu_kernels(model)
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and f"torch's code runs blocks 0-2 ({reason}" in lines[0] and "of 3, not the CPU kernels" in lines[0], lines
         assert not on_kernels(model)
@@ -174,5 +175,5 @@ def test_blocks_the_kernels_cannot_run_are_named_in_one_line_with_the_reason(cap
             torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-5)
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert on_kernels(use_matvec(Transformer(ModelArgs(dim=64, n_heads=4, n_layers=1, vocab_size=64))))
+        assert on_kernels(use_cpu_kernels(Transformer(ModelArgs(dim=64, n_heads=4, n_layers=1, vocab_size=64))))
     assert not caplog.records

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 from fixtures import tiny_model
 from llama_mini import load_checkpoint, save_checkpoint
 from llama_mini.cli.loading import load_model
-from llama_mini.kernels import matvec, use_matvec
+from llama_mini.kernels import on_kernels, use_cpu_kernels
+from llama_mini.kernels.block import block_refusal
+from llama_mini.kernels.linear import kernel_operands
+from llama_mini.kernels.operators import operators
 from llama_mini.quant import hold_plain_rows, quantize, quantized_notice
 from llama_mini.quant import layers
 from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activations
@@ -131,13 +134,13 @@ def test_compiled_a_decoding_step_gives_the_definition_in_torchs_avx2_code_too(t
 def test_the_kernels_leave_a_layer_holding_plain_rows_to_torch_and_say_why():
     model = hold_plain_rows(quantize(tiny_model(), "int4"))
     layer = model.layers[0].attention.wq
-    assert matvec.kernel_operands(layer) is None
-    if matvec.operators() is not None:  # where the kernels load: the block is named, with the reason
-        assert "holding plain rows" in matvec.block_refusal(model.layers[0], torch.float32)
+    assert kernel_operands(layer) is None
+    if operators() is not None:  # where the kernels load: the block is named, with the reason
+        assert "holding plain rows" in block_refusal(model.layers[0], torch.float32)
         tokens = torch.tensor([[1, 5, 9, 2]])
         expected = model(tokens)
-        use_matvec(model)
-        assert not matvec.on_kernels(model)
+        use_cpu_kernels(model)
+        assert not on_kernels(model)
         assert torch.equal(model(tokens), expected)  # each layer's own function, as before
 
 
@@ -152,7 +155,7 @@ def test_generate_holds_plain_rows_off_the_kernels_and_sets_on_them(tmp_path, mo
     monkeypatch.setattr("llama_mini.cli.loading.check_vocab_size", lambda *a: None)
     off = loaded(tmp_path / "off", "off")
     assert all(not m.rows_of_8 for m in off.modules() if isinstance(m, Int8Linear))
-    if matvec.operators() is not None:
+    if operators() is not None:
         on = loaded(tmp_path / "on", "auto")
         assert all(m.rows_of_8 for m in on.modules() if isinstance(m, Int8Linear))
 

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 from llama_mini import ModelArgs, Transformer, generate, load_checkpoint, save_checkpoint
 from llama_mini.generation import decode_one_token, prefill
-from llama_mini.kernels import matvec, use_fused_rmsnorm, use_matvec
+from llama_mini.kernels import use_cpu_kernels, use_fused_rmsnorm
+from llama_mini.kernels.linear import kernel_operands
+from llama_mini.kernels.operators import operators
 from llama_mini.quant import layers, quantize
 from llama_mini.quant.layers import Int4Linear, Int8Linear, quantize_int4, quantize_int8, quantized_activations
 from llama_mini.quant.layout import deinterleave_rows, interleave_rows, pack_int4, pack_int8, unpack_int4
@@ -110,14 +112,14 @@ def test_bad_group_size_is_one_clear_line():
 
 
 def needs_kernels():
-    if matvec.operators() is None:
+    if operators() is None:
         pytest.skip("no matrix-vector kernels on this machine (they need x86-64 with AVX2 and FMA)")
 
 
 def layer_pair(layer):
-    """layer, and a copy on the CPU kernels (use_matvec's subclass, the same buffers)."""
+    """layer, and a copy on the CPU kernels (use_cpu_kernels's subclass, the same buffers)."""
     fast = copy.deepcopy(layer)
-    use_matvec(fast)
+    use_cpu_kernels(fast)
     return layer, fast
 
 
@@ -214,13 +216,13 @@ def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_only_
     run, tokens = trained
     model, q = load_checkpoint(run), load_checkpoint(run, quantize="int8")
     x = tokens[:, :128]
-    for ours, theirs in ((windowed_logits(use_matvec(copy.deepcopy(q)), x), windowed_logits(model, x)),  # on the kernels
+    for ours, theirs in ((windowed_logits(use_cpu_kernels(copy.deepcopy(q)), x), windowed_logits(model, x)),  # on the kernels
                          (q(x), model(x))):  # the layers' own code
         spread = theirs.amax(-1) - theirs.amin(-1)
         assert ((ours - theirs).abs().amax(-1) <= 0.01 * spread).all()
     prompt = x[0, :8].tolist()
     text = generate(q, [prompt], 100, temperature=0)[0]
-    assert generate(use_matvec(q), [prompt], 100, temperature=0)[0] == text  # generate.py's path
+    assert generate(use_cpu_kernels(q), [prompt], 100, temperature=0)[0] == text  # generate.py's path
     # each token int8 picks is the float model's best, or within 1% of the spread of it (a near tie)
     logits = model(torch.tensor([prompt + text]))[0, len(prompt) - 1:-1]
     best, picked = logits.amax(-1), logits.gather(-1, torch.tensor(text)[:, None])[:, 0]
@@ -237,7 +239,7 @@ def test_int8_logits_stay_within_1_percent_of_their_spread_and_greedy_text_only_
 def test_int4_validation_perplexity_within_3_percent_of_fp32(trained):
     run, tokens = trained
     model, int4 = load_checkpoint(run), load_checkpoint(run, quantize="int4")
-    on_kernels = use_matvec(copy.deepcopy(int4))
+    on_kernels = use_cpu_kernels(copy.deepcopy(int4))
     for quantized, window in ((on_kernels, 16), (int4, 128)):  # on the kernels; the layers' own code
         fp32 = perplexity(model, tokens, window)
         assert fp32 < 60  # the model learned the stories (a uniform guess is 2048)
@@ -266,7 +268,7 @@ def test_perplexity_on_the_kernels_does_not_depend_on_how_the_text_is_cut(traine
     one forward without a cache, in pieces of 128, 50, 17 and 16, and token by token."""
     needs_kernels()
     run, tokens = trained
-    model = use_matvec(use_fused_rmsnorm(load_checkpoint(run, quantize=method)))
+    model = use_cpu_kernels(use_fused_rmsnorm(load_checkpoint(run, quantize=method)))
     windows = tokens[:, :512].split(128, dim=1)
 
     def perplexity_of(logits_of):
@@ -392,17 +394,17 @@ def test_a_quantized_checkpoint_refuses_other_formats_and_another_quantization(t
 def test_int8_keeps_plain_rows_for_shapes_the_kernel_does_not_take():
     w = torch.randn(12, 40)  # 12 rows: not sets of eight; 40 inputs: not blocks of 32
     layer = Int8Linear.from_weight(w)
-    assert not layer.rows_of_8 and layer.weight.shape == (12, 40) and matvec.kernel_operands(layer) is None
+    assert not layer.rows_of_8 and layer.weight.shape == (12, 40) and kernel_operands(layer) is None
     x = torch.randn(1, 40)
     expected = F.linear(quantized_activations(x), layer.dequantize())
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(use_matvec(copy.deepcopy(layer))(x), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(use_cpu_kernels(copy.deepcopy(layer))(x), expected, rtol=1e-5, atol=1e-5)
 
 
 # Odd shapes run in a child process: a wrong operator may crash the process rather than raise.
 ODD_SHAPES = r"""
 import sys, torch
-from llama_mini.kernels import use_matvec
+from llama_mini.kernels import use_cpu_kernels
 from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activations
 
 torch.manual_seed(0)
@@ -418,7 +420,7 @@ for dtype in (torch.float32, torch.bfloat16):
             (int8, lambda x: quantized_activations(x).double() @ int8.dequantize(torch.float32).double().t()),
         )
         for layer, definition in definitions:
-            fast = use_matvec(torch.nn.Sequential(layer))[0]
+            fast = use_cpu_kernels(torch.nn.Sequential(layer))[0]
             for rows in (1, 2, 17, 64):
                 x = torch.randn(rows, in_features).to(dtype)
                 expected = definition(x)
@@ -450,14 +452,14 @@ def test_odd_shapes_are_right_or_refused_in_one_line_at_every_row_count():
 STORIES260K = r"""
 import json, sys, torch
 from llama_mini import ModelArgs, Transformer, generate
-from llama_mini.kernels import use_fused_rmsnorm, use_matvec
+from llama_mini.kernels import use_fused_rmsnorm, use_cpu_kernels
 from llama_mini.quant import quantize
 
 torch.manual_seed(0)
 args = ModelArgs(dim=64, hidden_dim=172, n_layers=5, n_heads=8, n_kv_heads=4, vocab_size=512, max_seq_len=512)
 model = quantize(Transformer(args).eval(), "int8").to(getattr(torch, sys.argv[1]))
 if sys.argv[2] == "kernels":
-    use_matvec(use_fused_rmsnorm(model))
+    use_cpu_kernels(use_fused_rmsnorm(model))
 prompts = [[1], [1, 300], [1] + list(range(100, 112))]
 print(json.dumps([generate(model, prompts, 80, temperature=0), [generate(model, [p], 80, temperature=0)[0] for p in prompts]]))
 """

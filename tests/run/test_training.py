@@ -151,7 +151,7 @@ def test_kernels_off_trains_model_pys_own_code_and_auto_the_fused_layers_with_th
     fused kernels', which compute the same function (the norm's forward bit for bit, the gate's
     silu within 2 ulp), so the first step's loss agrees to float rounding."""
     from llama_mini.kernels import FusedFeedForward, FusedRMSNorm, fused_rmsnorm
-    from llama_mini.kernels.matvec import operators
+    from llama_mini.kernels.operators import operators
     from llama_mini.model import FeedForward, RMSNorm
 
     losses = {}

@@ -1,0 +1,122 @@
+"""Which core code each kernel layer was written for: the record its layers are checked against.
+
+A kernel layer stands in for functions of the core (model.py) or of the quantized layers'
+definition (quant/layers.py), and names them in its class, `computes`. It is written for those
+functions as they are here, so a reader who edits one (SwiGLU to GELU, no RoPE, a scaled
+residual) must get the edited function, not the kernel's copy of the old one. FINGERPRINTS holds
+a fingerprint of each function's code as the kernels were written for it; when a layer is
+applied (operators.swap_classes), each function it computes is fingerprinted as it is loaded,
+and a layer any of whose functions differs stays on the core's code, with one line naming it.
+
+A fingerprint is a hash of the function's source with its docstring, comments and blank lines
+left out: rewording a comment leaves the kernels on, any change to the code turns them off.
+After changing a function and its kernel together, record the new fingerprint here
+(`python -m llama_mini.kernels.fingerprints` prints the record as the code is now).
+"""
+
+import ast
+import functools
+import hashlib
+import importlib
+import inspect
+import io
+import logging
+import textwrap
+import tokenize
+from typing import Optional
+
+log = logging.getLogger(__name__)
+
+FINGERPRINTS = {
+    "model:RMSNorm.forward": "08e8868b5ae38af3",
+    "model:RMSNorm._norm": "efa79eab8c54bc4c",
+    "model:apply_rotary_emb": "9dfefa780cf8fc10",
+    "model:Attention.rotate": "75421c314f9c0197",
+    "model:Attention.forward": "fe6b8e5170da8d8f",
+    "model:KVCache.__init__": "26f0eaa55528d4c1",
+    "model:KVCache.update": "aa7421371ef2cedb",
+    "model:FeedForward.gate": "9f72290dab103bae",
+    "model:FeedForward.forward": "8b17d35bc1014d7b",
+    "model:TransformerBlock.forward": "0df41cbf9a907634",
+    "quant.layers:quantized_activations": "6cf4f7979f26ed5c",
+    "quant.layers:quantized_linear": "5f0760a4f33a2387",
+    "quant.layers:Int8Linear.forward": "207fbc6f4f6086ac",
+    "quant.layers:Int8Linear.dequantize": "ee0564d1767ac6a8",
+    "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
+    "quant.layers:Int4Linear.dequantize": "cf95e1ccd8c622ba",
+}
+
+
+def live(name: str):
+    """The function called name ("model:FeedForward.gate": a module of llama_mini, then the
+    function's path in it), as llama_mini holds it now."""
+    module, path = name.split(":")
+    target = importlib.import_module(f"llama_mini.{module}")
+    for attribute in path.split("."):
+        target = getattr(target, attribute)
+    return target
+
+
+def fingerprint(function) -> Optional[str]:
+    """A hash of function's code: its source less the docstring, comments and blank lines; None
+    where its source cannot be read (a builtin, code made at run time)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        return None
+    lines = source.splitlines()
+    for row, column in reversed(_comments(source)):  # the last first, so each cut leaves the others in place
+        lines[row - 1] = lines[row - 1][:column]
+    docstring = _docstring_rows(source)
+    code = "\n".join(line.rstrip() for row, line in enumerate(lines, 1) if row not in docstring and line.strip())
+    return hashlib.sha256(code.encode()).hexdigest()[:16]
+
+
+def _comments(source: str) -> list:
+    """(row, column) where each comment of source starts; none where source is not whole code."""
+    try:
+        return [t.start for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
+    except (tokenize.TokenError, SyntaxError):
+        return []
+
+
+def _docstring_rows(source: str) -> set:
+    """The rows of the docstring of the def or class that source holds: a string standing alone
+    as its body's first statement, on rows of its own."""
+    try:
+        node = ast.parse(source).body[0]
+    except (SyntaxError, IndexError):
+        return set()
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or not node.body:
+        return set()
+    first = node.body[0]
+    if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str) \
+            and first.lineno > node.lineno:
+        return set(range(first.lineno, first.end_lineno + 1))
+    return set()
+
+
+def changed(names) -> Optional[str]:
+    """The first of names (functions a layer computes) whose code is not the one FINGERPRINTS
+    records, as loaded now; None where all are."""
+    for name in names:
+        try:
+            current = fingerprint(live(name))
+        except AttributeError:  # deleted or renamed
+            current = None
+        if current is None or current != FINGERPRINTS.get(name):
+            return name
+    return None
+
+
+@functools.cache
+def notice_changed(layer: str, name: str) -> None:
+    """Say once per process that a layer steps aside for a changed core function."""
+    module, path = name.split(":")
+    log.warning("llama_mini: %s in llama_mini/%s.py is not the code the %s was written for (it was edited): the %s "
+                "is left off, and that code runs", path, module.replace(".", "/"), layer, layer)
+
+
+if __name__ == "__main__":
+    for name in FINGERPRINTS:
+        print(f'    "{name}": "{fingerprint(live(name))}",')

@@ -1,0 +1,137 @@
+"""Linear layers on the CPU kernels: nn.Linear, Int8Linear and Int4Linear, for prompts and decoding.
+
+Decoding a token multiplies each weight matrix by one activation row, so on a CPU tokens/s is
+bounded by memory bandwidth / weight bytes; reading a prompt multiplies them by hundreds of
+rows, and its time is arithmetic. torch's CPU kernels read the weights slowly at one row, its
+int8 and int4 kernels convert every weight to float, and its bfloat16 products are slow on CPUs
+without bf16 arithmetic. The linear operators compute a tile of rows against a few weight rows
+at a time, for any number of rows, each output summed in one order whatever the rows beside it;
+integer weights meet the activations rounded to int8 in blocks of 32 (quant/layers.py's
+definition, as llama.cpp does) as integers. float32 weights are held in panels of sixteen
+outputs, which prompts read at BLAS speed or faster (KernelLinear.hold_panels).
+
+Each class here is its parent with a fast path: inputs on CPU, without autograd or autocast,
+with weights the kernels read in place, run the kernels; everything else runs the parent's
+own code, the same function up to the order of float sums.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..quant.layers import Int4Linear, Int8Linear
+from .operators import FLOATS, PANEL, operators, to_panels
+
+
+def operators_for(x: torch.Tensor, floats: torch.Tensor):
+    """The operators, if they should compute x W^T (floats: W, or its scales); None where the
+    layer's own code should. Cheapest checks first: this runs for every layer of every step."""
+    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in FLOATS:
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or floats.requires_grad):
+        return None
+    if torch.compiler.is_compiling():  # Inductor compiles torch's own ops; ours would break the graph
+        return None
+    return operators()
+
+
+class KernelLinear(nn.Linear):
+    """nn.Linear (no bias) on the dense kernel: y = x W^T in float32 arithmetic, in x's dtype.
+    Under autocast, torch's F.linear (autocast decides the dtypes).
+
+    A float32 weight the kernels read in panels (holds_panels), hold_panels keeps as
+    (out / 16, in, 16); state_dict, load_state_dict and torch's code still see rows
+    (weight_rows)."""
+
+    layer, computes = "linear kernel", ()  # torch's nn.Linear: no core code
+    in_panels = False
+
+    def forward(self, x):
+        usable = kernel_operands(self) is not None and not torch.is_autocast_enabled("cpu")
+        ops = operators_for(x, self.weight) if usable else None
+        return F.linear(x, self.weight_rows(), self.bias) if ops is None else ops.linear_dense(x, self.weight)
+
+    def weight_rows(self) -> torch.Tensor:
+        """The weight as nn.Linear holds it, (out, in): a copy where held in panels."""
+        if not self.in_panels:
+            return self.weight
+        return self.weight.transpose(1, 2).reshape(self.out_features, self.in_features)
+
+    def hold_panels(self) -> None:
+        """Hold the weight in panels from now on (a copy: the rows are freed)."""
+        weight = self.weight
+        self.weight = nn.Parameter(to_panels(weight.detach()), requires_grad=weight.requires_grad)
+        self.in_panels = True
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.in_panels:
+            destination[prefix + "weight"] = self.weight_rows() if keep_vars else self.weight_rows().detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        key = prefix + "weight"
+        if self.in_panels and key in state_dict and state_dict[key].shape == (self.out_features, self.in_features):
+            state_dict = {**state_dict, key: to_panels(state_dict[key])}
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def holds_panels(linear, shared: set) -> bool:
+    """Whether the kernels read this layer's weight in panels: float32, one piece of memory,
+    outputs a multiple of 16, no bias, and not shared with another module (a tied embedding
+    keeps its rows)."""
+    if type(linear) is not KernelLinear or linear.in_panels or linear.bias is not None:
+        return False
+    weight = linear.weight
+    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
+            and linear.out_features % PANEL == 0 and id(weight) not in shared)
+
+
+class IntegerKernel:
+    """An integer layer on its kernel (kernel(ops, x)), where the operands allow; its own
+    function otherwise. The same function either way, autocast or not."""
+
+    def forward(self, x):
+        ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
+        return super().forward(x) if ops is None else self.kernel(ops, x)
+
+
+class KernelInt8Linear(IntegerKernel, Int8Linear):
+    """Int8Linear on the integer kernel (rows held in sets of eight)."""
+
+    layer = "int8 kernel"
+    computes = ("quant.layers:Int8Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
+                "quant.layers:Int8Linear.dequantize")
+
+    def kernel(self, ops, x):
+        return ops.linear_int8(x, self.weight, self.scales)
+
+
+class KernelInt4Linear(IntegerKernel, Int4Linear):
+    """Int4Linear on the integer kernel."""
+
+    layer = "int4 kernel"
+    computes = ("quant.layers:Int4Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
+                "quant.layers:Int4Linear.dequantize")
+
+    def kernel(self, ops, x):
+        return ops.linear_int4(x, self.weight, self.scales, self.zeros)
+
+
+# The kernel class each linear layer's class becomes under use_cpu_kernels.
+LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear}
+
+
+def kernel_operands(linear):
+    """(weight, scales, zeros) of a linear layer as the kernels read them, or None where they do
+    not take it: other shapes, biases, dtypes, or tensors not laid out in one piece."""
+    if isinstance(linear, Int8Linear):
+        operands = (linear.weight, linear.scales, None) if linear.rows_of_8 else None
+    elif isinstance(linear, Int4Linear):
+        operands = (linear.weight, linear.scales, linear.zeros) if linear.rows_of_8 else None
+    elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
+        # panels hold float32 (a model cast after use_cpu_kernels holds bfloat16 ones: torch's code)
+        in_panels = getattr(linear, "in_panels", False)
+        operands = (linear.weight, None, None) if not in_panels or linear.weight.dtype == torch.float32 else None
+    else:
+        return None
+    return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None
