@@ -70,11 +70,21 @@ def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] 
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens: int, *sampling, **named) -> list[list[int]]:
+def generate(
+    model: Transformer,
+    prompt_tokens: list[list[int]],
+    max_new_tokens: int,
+    temperature: float = TEMPERATURE,
+    top_p: float = TOP_P,
+    top_k: Optional[int] = None,
+    eos_id: Union[int, Iterable[int], None] = None,
+    seed: Optional[int] = None,
+) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
-    sampling, named: generate_stream's temperature, top_p, top_k, eos_id and seed. prompt_tokens may
-    have rows of different lengths; each row stops at its own EOS. eos_id is one id or several,
+    temperature 0 is greedy; top_p and top_k filter as Meta's and llama.cpp's samplers do (top_k
+    None or 0 keeps every token). prompt_tokens may have rows of different lengths; each row
+    stops at its own EOS. eos_id is one id or several,
     as ints or a tensor (Llama-3 ends a text with <|end_of_text|> and a chat turn with
     <|eot_id|>: pass tokenizer.stop_ids); with None nothing stops early and every row gets
     exactly max_new_tokens. Sampling draws from a private torch.Generator (seeded by seed,
@@ -82,7 +92,7 @@ def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens:
     is left alone.
     """
     out = [[] for _ in prompt_tokens]
-    for step in generate_stream(model, prompt_tokens, max_new_tokens, *sampling, **named):
+    for step in generate_stream(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, eos_id, seed):
         for row, token in zip(out, step):
             if token is not None:
                 row.append(token)
@@ -99,7 +109,7 @@ def generate_stream(
     eos_id: Union[int, Iterable[int], None] = None,
     seed: Optional[int] = None,
 ) -> Iterator[list[Optional[int]]]:
-    """generate, one decoding step at a time, for printing text as it comes.
+    """generate, one decoding step at a time, for printing text as it comes (the same arguments).
 
     Yields a list with one entry per row: the row's new token, or None where the row has
     none at this step (it is still reading its longer prompt, or it has finished). The

@@ -21,7 +21,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--device", help="default: cuda, else mps, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="auto: llama_mini's CPU kernels where they run (default); off: model.py's own code")
+                   help="auto (default): on a CPU, the linear layers and whole blocks on llama_mini's kernels, each "
+                        "where it computes model.py as it is; off: model.py's own code everywhere")
 
 
 def open_checkpoint(args):
