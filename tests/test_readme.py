@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 GUARANTEES = (ROOT / "docs" / "guarantees.md").read_text()
-GUIDES = ["training.md", "formats.md", "kernels.md", "performance.md", "guarantees.md", "dependencies.md"]
+GUIDES = ["training.md", "generate.md", "formats.md", "kernels.md", "performance.md", "guarantees.md", "dependencies.md"]
 NUMBERS = {"one": 1, "two": 2, "three": 3, "four": 4, "five": 5, "six": 6, "seven": 7, "eight": 8, "nine": 9, "ten": 10}
 
 
@@ -100,6 +100,20 @@ def test_the_first_command_installs_and_trains_and_the_cpu_wheel_tip_comes_befor
     assert tip < README.index("```sh\n" + first)
 
 
+def requirements(name):
+    lines = (line.split("#")[0].strip() for line in (ROOT / name).read_text().splitlines())
+    return {re.split(r"[<>=!~ ]", line)[0] for line in lines if line and not line.startswith("-r")}
+
+
+def test_the_install_section_names_the_packages_the_requirements_hold():
+    text = " ".join(section(README, "Install").split())
+    said = re.search(r"The packages are (.*?); `requirements-dev\.txt` adds (.*?) \(", text)
+    assert said, "the Install section's sentence naming the packages"
+    runtime, dev = ({re.sub(r" \(.*?\)", "", name) for name in re.split(r", | and ", part)} for part in said.groups())
+    assert runtime == requirements("requirements.txt")
+    assert dev == requirements("requirements-dev.txt")
+
+
 def step_files(text):
     """(number word, training step's files, decoding step's files) of the sentence saying which
     files a step runs Python code in."""
@@ -169,13 +183,14 @@ def test_every_guide_in_docs_is_linked_from_the_readme():
         assert f"(docs/{name}" in README, f"the README does not link docs/{name}"
 
 
-def test_the_python_example_imports_names_the_package_exports():
-    for block in blocks(README, "python"):
+@pytest.mark.parametrize("doc", ["README.md", "docs/generate.md"])
+def test_the_python_example_imports_names_the_package_exports(doc):
+    for block in blocks((ROOT / doc).read_text(), "python"):
         for node in ast.walk(ast.parse(block)):
             if isinstance(node, ast.ImportFrom):
                 module = importlib.import_module(node.module)
                 for alias in node.names:
-                    assert hasattr(module, alias.name), f"the README imports {alias.name} from {node.module}, which has none"
+                    assert hasattr(module, alias.name), f"{doc} imports {alias.name} from {node.module}, which has none"
 
 
 # Every command line in the README's ```sh blocks (and in the guides'), checked by the program's own parser.
