@@ -41,8 +41,6 @@ def test_the_read_the_code_table_gives_each_core_file_its_true_length():
 
 
 def test_the_default_run_is_the_one_the_readme_describes():
-    import torch
-    from llama_mini.model import Transformer
     from llama_mini.run.config import TrainConfig
 
     text = " ".join(section(README, "Train").split())
@@ -55,9 +53,30 @@ def test_the_default_run_is_the_one_the_readme_describes():
     assert (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.seq_len, cfg.max_steps, cfg.batch_size, cfg.seq_len,
             cfg.eval_every, cfg.save_every) == tuple(int(n) for n in (vocab, dim, layers, heads, context, steps, batch, tokens,
                                                                      every_eval, every_save))
+    assert round(parameters(cfg) / 1e6, 1) == float(params)
+
+
+def parameters(cfg):
+    import torch
+
+    from llama_mini.model import Transformer
     with torch.device("meta"):
         model = Transformer(cfg.model_args(cfg.vocab_size))
-    assert round(sum(p.numel() for p in model.parameters()) / 1e6, 1) == float(params)
+    return sum(p.numel() for p in model.parameters())
+
+
+def test_the_tiny_shakespeare_model_has_the_size_the_readme_gives():
+    import argparse
+
+    from llama_mini.run.config import TrainConfig, add_arguments
+
+    line = next(line for line, words in commands(section(README, "Train")) if "--vocab-size" in words)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cfg = TrainConfig(**vars(parser.parse_args(shlex.split(line)[2:])))
+    said = re.search(r"the ([\d.]+)M-parameter model", " ".join(section(README, "Train").split()))
+    assert said, "the size of the tiny Shakespeare model"
+    assert round(parameters(cfg) / 1e6, 2) == float(said[1])
 
 
 def cited_tests(text):
@@ -68,7 +87,7 @@ def cited_tests(text):
 
 
 @pytest.mark.parametrize("doc", ["README.md"] + [f"docs/{name}" for name in GUIDES])
-def test_every_test_the_readme_and_the_guides_cite_exists(doc):
+def test_every_test_the_readme_cites_exists(doc):
     for file, name in cited_tests((ROOT / doc).read_text()):
         path = ROOT / "tests" / file
         assert path.is_file(), f"{doc} cites {file}, which is not in tests/"
@@ -161,6 +180,8 @@ def test_the_package_table_names_files_that_exist_and_every_part_of_the_package(
 
 
 def anchors(text):
+    """The anchors GitHub gives the headings of text (code blocks left out: a `# comment` is no heading)."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
     return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
             for heading in re.findall(r"^#+ (.*)$", text, flags=re.M)}
 
@@ -271,7 +292,7 @@ def test_every_command_in_the_readme_parses(doc, line, words, monkeypatch, capsy
         return  # the suite itself; test_ci_runs_the_whole_suite_... checks its lines
     if "--help" in args:  # cheap and self-contained: run it
         run = subprocess.run([sys.executable, *(["-m"] if not program.endswith(".py") else []), program, *args],
-                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+                             cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
         assert run.returncode == 0, f"{doc}: {line}\n{run.stderr[-2000:]}"
         for named in re.findall(r"--[\w-]+", line.partition("#")[2]):  # the flags its comment says it lists
             assert named in run.stdout, f"{doc}: {line}: --help does not list {named}"
