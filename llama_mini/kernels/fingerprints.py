@@ -40,10 +40,15 @@ FINGERPRINTS = {
     "model:TransformerBlock.forward": "0df41cbf9a907634",
     "quant.layers:quantized_activations": "6cf4f7979f26ed5c",
     "quant.layers:quantized_linear": "5f0760a4f33a2387",
+    "quant.layers:float32_linear": "f8582cd4566c76e0",
     "quant.layers:Int8Linear.forward": "207fbc6f4f6086ac",
     "quant.layers:Int8Linear.dequantize": "ee0564d1767ac6a8",
+    "quant.layers:Int8Linear.codes": "8a9722846a6d43bc",
+    "quant.layers:Int8Linear.block_scales": "f5bb88187f9dd161",
     "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
     "quant.layers:Int4Linear.dequantize": "cf95e1ccd8c622ba",
+    "quant.layers:Int4Linear.codes": "de8c10939a988929",
+    "quant.layers:Int4Linear.group_scales_and_zeros": "fa4dac4ef440d2ff",
 }
 
 

@@ -100,7 +100,8 @@ class KernelInt8Linear(IntegerKernel, Int8Linear):
 
     layer = "int8 kernel"
     computes = ("quant.layers:Int8Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
-                "quant.layers:Int8Linear.dequantize")
+                "quant.layers:float32_linear", "quant.layers:Int8Linear.dequantize", "quant.layers:Int8Linear.codes",
+                "quant.layers:Int8Linear.block_scales")
 
     def kernel(self, ops, x):
         return ops.linear_int8(x, self.weight, self.scales)
@@ -111,7 +112,8 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
 
     layer = "int4 kernel"
     computes = ("quant.layers:Int4Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
-                "quant.layers:Int4Linear.dequantize")
+                "quant.layers:float32_linear", "quant.layers:Int4Linear.dequantize", "quant.layers:Int4Linear.codes",
+                "quant.layers:Int4Linear.group_scales_and_zeros")
 
     def kernel(self, ops, x):
         return ops.linear_int4(x, self.weight, self.scales, self.zeros)
