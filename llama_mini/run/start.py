@@ -16,7 +16,7 @@ import torch
 from ..support.device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
-from ..support.memory import check_fits, shape_parameters, training_bytes
+from ..support.memory import check_free_memory, shape_parameters, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
@@ -105,7 +105,7 @@ def check_training_fits(args, cfg: TrainConfig, device) -> None:
     n = shape_parameters(args)
     model = f"{n / 1e6:,.2f}M" if n < 1e15 else f"{n:.1e}"
     fix = "lower --batch-size" + ("" if cfg.init_from or cfg.resume else ", --dim or --n-layers")
-    check_fits(training_bytes(args, cfg.batch_size, cfg.seq_len),
+    check_free_memory(training_bytes(args, cfg.batch_size, cfg.seq_len),
                f"training {model} parameters on batches of {cfg.batch_size} x {cfg.seq_len} tokens", device, fix)
 
 

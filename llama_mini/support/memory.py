@@ -58,7 +58,7 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def check_fits(needed: int, what: str, device: torch.device, fix: str) -> None:
+def check_free_memory(needed: int, what: str, device: torch.device, fix: str) -> None:
     """Refuse, in one line naming both figures and fix, what needs more than device has free."""
     free = free_bytes(device)
     if free is not None and needed > free:
