@@ -18,7 +18,7 @@ from ..support.files import atomic_write, brief
 from .config_check import check_fields
 from .reading import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
 CONFIG, WEIGHTS = "config.json", "model.safetensors"
 INDEX = WEIGHTS + ".index.json"
@@ -102,7 +102,7 @@ def read_hf(path: Path):
         state = _from_hf_names(state)
     except KeyError as e:
         raise ValueError(f"{path} holds tensor {e}, which is not part of a Llama model") from None
-    check_fits(args, state, path, layout="hf")  # before the q/k rows are permuted, which needs their shapes
+    check_fits_config(args, state, path, layout="hf")  # before the q/k rows are permuted, which needs their shapes
     return args, _from_hf_rows(state, args)
 
 
