@@ -21,9 +21,6 @@ from .data import corpus_name
 # --dtype's choices: auto, or one of the dtypes, but float16, which needs a gradient scaler
 # that the training step does not have.
 TRAIN_DTYPES = ("auto", *(name for name in DTYPES if name != "float16"))
-# The model's shape. None takes the shape of the checkpoint a run resumes or starts from
-# (--init-from); a run from scratch takes the field's "scratch" default.
-MODEL_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "vocab_size", "norm", "norm_p", "tie_embeddings")
 
 
 def option(default, help: str, **extra):
@@ -122,6 +119,11 @@ class TrainConfig:
 
     def run_dir(self) -> Path:
         return Path(self.out) if self.out else Path("checkpoints") / (self.run_name or corpus_name(self.data))
+
+
+# The model's shape: the flags that are ModelArgs fields. None takes the shape of the checkpoint
+# a run resumes or starts from (--init-from); a run from scratch takes the field's "scratch" default.
+MODEL_SHAPE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name in {g.name for g in dataclasses.fields(ModelArgs)})
 
 
 def add_arguments(parser, names=None, defaults=None) -> None:
