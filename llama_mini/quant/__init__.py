@@ -13,12 +13,12 @@ to load them into without ever holding full-precision weights. Which layout a ch
 buffers are in is the format record's to say (llama_mini/formats/record.py).
 """
 
-import time
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..support.device import fastest_time
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
@@ -120,20 +120,7 @@ def quantized_slowdown(layer: nn.Module) -> float:
     x = torch.randn(1, 1, layer.in_features, device=layer.scales.device, dtype=layer.scales.dtype)
     with torch.inference_mode():
         weight = layer.dequantize()
-
-        def fastest(step) -> float:
-            times = []
-            for _ in range(4):
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step()
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            return min(times[1:])
-
-        return fastest(lambda: layer(x)) / fastest(lambda: torch.nn.functional.linear(x, weight))
+        return fastest_time(lambda: layer(x), x.device) / fastest_time(lambda: torch.nn.functional.linear(x, weight), x.device)
 
 
 def parameter_count(model: nn.Module) -> int:
