@@ -81,12 +81,9 @@ def _linears(model: nn.Module, kind=nn.Linear):
             if isinstance(child, kind)]
 
 
-# Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster
-# (layers.one_row; docs/generate_speed.md).
+# Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster;
+# with its plain code they run slower (layers.one_row; docs/generate_speed.md has the measurements).
 FAST_COMPILED_CPU_CODE = ("AVX512", "AVX2")
-# Elsewhere, the layers of a 110M model against F.linear, compiled with torch's plain x86 code
-# (no vector instructions of its own): measured, the figure the notice gives.
-COMPILED_SPEED_PLAIN_CPU = {"int8": 0.50, "int4": 0.55}
 
 
 def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool = False) -> Optional[str]:
@@ -104,9 +101,8 @@ def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool 
     if compiled:
         if fast_compiled:
             return None
-        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones (measured "
-                f"with its plain x86 code: {COMPILED_SPEED_PLAIN_CPU[method]}x their speed): {flag} {method} saves "
-                "memory, not time")
+        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones "
+                f"(docs/generate_speed.md has the speeds measured): {flag} {method} saves memory, not time")
     if (slowdown := quantized_slowdown(layer)) < 1.5:
         return None
     return (f"note: here {method} layers take {slowdown:.0f}x the time of float ones in a decoding step (off the CPU "

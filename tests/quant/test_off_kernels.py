@@ -192,6 +192,6 @@ def test_compiled_on_torchs_plain_cpu_code_the_notice_says_integer_layers_are_sl
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
     int4 = quantize(tiny_model(), "int4")
     assert quantized_notice(int4, compiled=True) == (
-        "note: compiled with torch's DEFAULT CPU code, int4 layers decode slower than float ones (measured with its "
-        "plain x86 code: 0.55x their speed): --quantize int4 saves memory, not time")
+        "note: compiled with torch's DEFAULT CPU code, int4 layers decode slower than float ones "
+        "(docs/generate_speed.md has the speeds measured): --quantize int4 saves memory, not time")
     assert quantized_notice(int4).endswith("--quantize int4 saves memory, not time")  # --compile is no way out here
