@@ -20,7 +20,7 @@ from .reading import inside, read_json, read_safetensors, tensor_dict, torch_loa
 from .names import from_format, to_format
 from .state_dict import check_fits_config
 
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS = "config.json", "model.safetensors"  # our own folders use these names too (native.py)
 INDEX = WEIGHTS + ".index.json"
 # Hugging Face folders are written in safetensors files of at most this size: save_pretrained's
 # default before transformers 5, and well under the Hub's 50 GB limit per file (a 70B model

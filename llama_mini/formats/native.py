@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 from ..support.files import atomic_write
 from ..quant import read_quantization
 from .config_check import model_args
+from .hf import CONFIG, WEIGHTS
 from .reading import read_json, read_safetensors
 from .record import check_config, format_record
 from .state_dict import check_fits_config
 
-CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
+TOKENIZER, LATEST = "tokenizer.model", "latest"
 CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
 
 
