@@ -75,8 +75,8 @@ class TrainConfig:
     device: Optional[str] = option(None, "cuda, mps or cpu (default: the first available, in that order)")
     dtype: str = option("auto", "auto: bfloat16 autocast on CUDA, float32 elsewhere", choices=TRAIN_DTYPES)
     compile: bool = option(False, "torch.compile the model, each Transformer block on its own")
-    kernels: str = option("auto", "auto: the fused RMSNorm kernel on a CPU, where it builds; off: model.py's own code",
-                          choices=KERNELS)
+    kernels: str = option("auto", "auto: on a CPU, llama_mini's fused RMSNorm, SwiGLU gate and RoPE kernels, where they "
+                          "build (on a GPU with Triton, each RMSNorm compiled); off: model.py's own code", choices=KERNELS)
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):
