@@ -3,9 +3,9 @@
 The run folder is checked first and taken last, so a run refused for a flag, a file or its
 data leaves nothing behind. In between: the data and its tokenizer (a resumed run's own,
 --tokenizer, the --init-from checkpoint's, or one trained on the data), the model (from
-scratch, the run's latest checkpoint or --init-from; with the fused RMSNorm where it builds,
-so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun started, its
-optimizer and the Trainer that steps them.
+scratch, the run's latest checkpoint or --init-from; under --kernels auto with the fused
+RMSNorm, SwiGLU gate and RoPE where they build, so that RMSNorm trains at LayerNorm's speed),
+wrapped for the processes torchrun started, its optimizer and the Trainer that steps them.
 """
 
 import functools
