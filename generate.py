@@ -15,7 +15,7 @@ from llama_mini.cli import check_context, check_number, flag, run_main, utf8_tex
 from llama_mini.cli.chat import MAX_PROMPT_BYTES, chat, complete, nth_seed
 from llama_mini.cli.loading import add_model_arguments, load_model, open_checkpoint
 from llama_mini.generation import TEMPERATURE, TOP_P, check_sampling_args
-from llama_mini.support.memory import check_fits, kv_cache_bytes
+from llama_mini.support.memory import check_free_memory, kv_cache_bytes
 
 
 def parse_args(argv=None):
@@ -58,7 +58,7 @@ def read_prompt_file(path) -> str:
 def check_cache_fits(model, positions: int, device) -> None:
     """Refuse, in one line, a KV cache of positions that cannot fit the device's free memory."""
     needed = kv_cache_bytes(model.args, 1, positions, model.tok_embeddings.weight.dtype)
-    check_fits(needed, f"a KV cache of {positions} positions", device, "lower --max-seq-len or --max-new-tokens")
+    check_free_memory(needed, f"a KV cache of {positions} positions", device, "lower --max-seq-len or --max-new-tokens")
 
 
 def main(argv=None) -> None:

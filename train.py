@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 # OpenMP threads that wait by spinning stall when another process shares the cores, where
@@ -40,72 +41,99 @@ def train(cfg: TrainConfig) -> Path:
     checkpoint as it was.
     """
     run = start_run(cfg)  # the run folder (checked, then locked), data, model, optimizer; resumed if asked
-    cfg, trainer, main, folder = run.cfg, run.trainer, run.group.is_main, run.folder
+    cfg, trainer = run.cfg, run.trainer
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum * run.group.world_size
-    log, finished = None, False
+    with training(run) as (log, bar), GracefulStop() as stop:
+        if trainer.step == 0:
+            log({"step": 0, "time": 0.0, **run.evaluate()})
+        tick = time.perf_counter()
+        while trainer.step < cfg.max_steps:
+            loss = train_step(run)
+            dt = time.perf_counter() - tick
+            run.elapsed += dt
+            record = {"step": trainer.step, "time": round(run.elapsed, 3), "train_loss": loss, "lr": trainer.lr,
+                      "grad_norm": trainer.grad_norm, "tokens_per_s": round(tokens_per_step / dt, 1)}
+            bar.set_postfix(dict(loss=f"{loss:.3f}", lr=f"{trainer.lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"),
+                            refresh=False)
+            bar.update()
+            done = trainer.step == cfg.max_steps
+            if trainer.step % cfg.eval_every == 0 or done:
+                record.update(evaluate(run, bar))
+            log(record)
+            stopping = run.group.any(stop.requested, run.device)
+            if trainer.step % cfg.save_every == 0 or done or stopping:
+                run.save()
+            if stopping:
+                raise KeyboardInterrupt
+            tick = time.perf_counter()  # evaluation and saving are not training time
+    if run.group.is_main:
+        report_losses(run.folder.path)
+        if cfg.sample_tokens:
+            print_sample(run)
+    return run.folder.path
+
+
+@contextmanager
+def training(run):
+    """While the run trains: a function that writes a record to its metrics log (on the main
+    process only), and its progress bar. Afterwards the run is closed, after Ctrl-C with a line
+    saying how to go on; the processes wait for each other only after a run that finished."""
+    main, log, finished = run.group.is_main, None, False
     # A progress bar on a terminal only (disable=None): in a log file its redraws are noise.
-    bar = tqdm(total=cfg.max_steps, initial=trainer.step, disable=None if main else True, unit="step", dynamic_ncols=True)
+    bar = tqdm(total=run.cfg.max_steps, initial=run.trainer.step, disable=None if main else True, unit="step",
+               dynamic_ncols=True)
     try:
         if main:
-            log = MetricsLog(folder.path / METRICS, trainer.step)
+            log = MetricsLog(run.folder.path / METRICS, run.trainer.step)
             print(run.describe())
-            if trainer.bf16 and (notice := bfloat16_notice(run.device, torch.bfloat16, "--dtype")):
+            if run.trainer.bf16 and (notice := bfloat16_notice(run.device, torch.bfloat16, "--dtype")):
                 print(notice)
-        with GracefulStop() as stop:
-            if trainer.step == 0:
-                first = run.evaluate()
-                if main:
-                    log.write({"step": 0, "time": 0.0, **first})
-            tick = time.perf_counter()
-            while trainer.step < cfg.max_steps:
-                try:
-                    loss = trainer.train_step()
-                except NonFiniteLoss as e:
-                    raise NonFiniteLoss(f"{e}, and {run.how_to_go_on()}") from None
-                dt = time.perf_counter() - tick
-                run.elapsed += dt
-                record = {"step": trainer.step, "time": round(run.elapsed, 3), "train_loss": loss, "lr": trainer.lr,
-                          "grad_norm": trainer.grad_norm, "tokens_per_s": round(tokens_per_step / dt, 1)}
-                bar.set_postfix(dict(loss=f"{loss:.3f}", lr=f"{trainer.lr:.2e}", tok_s=f"{record['tokens_per_s']:,.0f}"),
-                                refresh=False)
-                bar.update()
-                done = trainer.step == cfg.max_steps
-                if trainer.step % cfg.eval_every == 0 or done:
-                    record.update(run.evaluate())
-                    if main:
-                        bar.write(f"step {trainer.step}: val loss {record['val_loss']:.4f} nats/token, "
-                                  f"{record['val_bpb']:.4f} bits/byte, perplexity {record['val_ppl']:.2f}")
-                if main:
-                    log.write(record)
-                stopping = run.group.any(stop.requested, run.device)
-                if trainer.step % cfg.save_every == 0 or done or stopping:
-                    run.save()
-                if stopping:
-                    raise KeyboardInterrupt
-                tick = time.perf_counter()  # evaluation and saving are not training time
+        yield (log.write if log else lambda record: None), bar
         finished = True
     except KeyboardInterrupt:
         bar.close()
         if main:
-            if folder.latest:
-                print(f"interrupted at step {trainer.step}; the latest checkpoint is {folder.latest}; "
-                      "continue with the same flags and --resume")
-            else:  # --resume would find nothing to resume
-                print(f"interrupted at step {trainer.step}, before the first checkpoint; run the same command "
-                      "again to start over (there is no checkpoint to --resume)")
+            print(interrupted(run))
         raise
     finally:
         bar.close()
         if log:
             log.close()
         run.close(wait_for_all=finished)
-    if main:
-        report_losses(folder.path)
-    if main and cfg.sample_tokens:
-        model = load_checkpoint(folder.latest).to(run.device)  # the saved model, as a user would load it
-        text = sample_text(model, run.tokenizer, cfg.prompt, cfg.sample_tokens, seed=cfg.seed)
-        print(f"\nsample from {folder.latest}:\n{text}\n")
-    return folder.path
+
+
+def train_step(run) -> float:
+    """One optimizer step's train loss; a non-finite one stops the run, saying how to go on."""
+    try:
+        return run.trainer.train_step()
+    except NonFiniteLoss as e:
+        raise NonFiniteLoss(f"{e}, and {run.how_to_go_on()}") from None
+
+
+def evaluate(run, bar) -> dict:
+    """The validation loss, perplexity and bits per byte, printed above the progress bar."""
+    metrics = run.evaluate()
+    if run.group.is_main:
+        bar.write(f"step {run.trainer.step}: val loss {metrics['val_loss']:.4f} nats/token, "
+                  f"{metrics['val_bpb']:.4f} bits/byte, perplexity {metrics['val_ppl']:.2f}")
+    return metrics
+
+
+def interrupted(run) -> str:
+    """Where an interrupted run stopped, and how to go on: --resume, or before the first
+    checkpoint a new start (--resume would find nothing to resume)."""
+    if run.folder.latest:
+        return (f"interrupted at step {run.trainer.step}; the latest checkpoint is {run.folder.latest}; "
+                "continue with the same flags and --resume")
+    return (f"interrupted at step {run.trainer.step}, before the first checkpoint; run the same command "
+            "again to start over (there is no checkpoint to --resume)")
+
+
+def print_sample(run) -> None:
+    """A sample of --sample-tokens after --prompt from the saved model, loaded as a user would load it."""
+    model = load_checkpoint(run.folder.latest).to(run.device)
+    text = sample_text(model, run.tokenizer, run.cfg.prompt, run.cfg.sample_tokens, seed=run.cfg.seed)
+    print(f"\nsample from {run.folder.latest}:\n{text}\n")
 
 
 def main(argv=None) -> int:

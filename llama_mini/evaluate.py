@@ -12,7 +12,6 @@ The file is read a piece at a time and scored a chunk at a time: memory stays th
 """
 
 import argparse
-import codecs
 import hashlib
 import math
 import sys
@@ -26,9 +25,8 @@ from .cli import check_number, run_main
 from .cli.loading import add_model_arguments, load_model, open_checkpoint
 from .model import check_fits_context
 from .tokenizers.long_text import encode_long
-from .run.data import check_utf8
+from .run.data import check_utf8, utf8_blocks
 
-READ_BYTES = 1 << 22
 DEFAULT_CTX = 512  # llama-perplexity's
 
 
@@ -46,12 +44,10 @@ def parse_args(argv=None):
 
 
 def text_blocks(path: Path, bar: tqdm):
-    """The text of path, READ_BYTES at a time (checked as UTF-8 before), advancing bar by bytes read."""
-    decoder = codecs.getincrementaldecoder("utf-8")()
-    with open(path, "rb") as f:
-        while block := f.read(READ_BYTES):
-            bar.update(len(block))
-            yield decoder.decode(block)
+    """The text of path, a block at a time (run/data.py's utf8_blocks), advancing bar by bytes read."""
+    for block, text in utf8_blocks(path):
+        bar.update(len(block))
+        yield text
 
 
 def chunks(tokenizer, blocks, ctx: int):

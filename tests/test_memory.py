@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer
-from llama_mini.support.memory import check_fits, kv_cache_bytes, shape_parameters, shown
+from llama_mini.support.memory import check_free_memory, kv_cache_bytes, shape_parameters, shown
 
 SHAPES = [
     dict(dim=32, n_layers=1, n_heads=2, vocab_size=400, tie_embeddings=True),
@@ -33,7 +33,7 @@ def test_what_does_not_fit_is_refused_naming_both_figures_and_the_fix(monkeypatc
     from llama_mini.support import memory
 
     monkeypatch.setattr(memory, "free_bytes", lambda device: 3 * 2**30)
-    check_fits(3 * 2**30, "this", torch.device("cpu"), "do less")  # exactly what is free fits
+    check_free_memory(3 * 2**30, "this", torch.device("cpu"), "do less")  # exactly what is free fits
     with pytest.raises(ValueError, match=r"^this needs at least 3.0 GiB, and cpu has 3.0 GiB free; do less$"):
-        check_fits(3 * 2**30 + 2**20, "this", torch.device("cpu"), "do less")
+        check_free_memory(3 * 2**30 + 2**20, "this", torch.device("cpu"), "do less")
     assert [shown(n) for n in (512, 5 * 2**20, 2**40, 2**70)] == ["512 bytes", "5.0 MiB", "1.0 TiB", "2**70 bytes"]

@@ -13,7 +13,7 @@ tensors become the parameters through load_state_dict(assign=True). Pages are re
 when first used, so peak memory is about the size of the files (for a quantized GGUF file,
 the size of its dequantized weights). Nothing a file says is trusted before it is checked
 (reading.py, config_check.py); each reader checks its tensors against the config once
-(state_dict.check_fits), and our own files' layout by their format record (record.py).
+(state_dict.check_fits_config), and our own files' layout by their format record (record.py).
 """
 
 from pathlib import Path

@@ -40,7 +40,7 @@ from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
 from .config_check import check_fields, model_args
 from .names import from_format, to_format
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
 TENSOR_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -224,7 +224,7 @@ def read_gguf(path: Path, dtype=None):
     args = model_args({**fields, "tie_embeddings": tied}, path)
     if ROPE_FREQS in file.tensors:
         args = rope_scaling_from_factors(file.tensor(ROPE_FREQS), args, file.fields, path)
-    check_fits(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
+    check_fits_config(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
     state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
     if tied:
         state["output.weight"] = state["tok_embeddings.weight"]

@@ -18,9 +18,9 @@ from ..support.files import atomic_write, brief
 from .config_check import check_fields
 from .reading import inside, read_json, read_safetensors, tensor_dict, torch_load
 from .names import from_format, to_format
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
-CONFIG, WEIGHTS = "config.json", "model.safetensors"
+CONFIG, WEIGHTS = "config.json", "model.safetensors"  # our own folders use these names too (native.py)
 INDEX = WEIGHTS + ".index.json"
 # Hugging Face folders are written in safetensors files of at most this size: save_pretrained's
 # default before transformers 5, and well under the Hub's 50 GB limit per file (a 70B model
@@ -42,18 +42,21 @@ def permute_from_hf(w, n_heads: int):
     return w.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+def _qk_permuted(key: str, w, args: ModelArgs, permute):
+    """w with its rows put through permute (permute_to_hf or permute_from_hf) where key names
+    a wq (n_heads heads) or a wk (n_kv_heads); any other tensor as it is."""
+    if key.endswith("attention.wq.weight"):
+        return permute(w, args.n_heads)
+    if key.endswith("attention.wk.weight"):
+        return permute(w, args.n_kv_heads)
+    return w
+
+
 def to_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
     """Our state dict -> transformers' LlamaForCausalLM state dict (q/k rows permuted)."""
-    out = {}
-    for key, w in state_dict.items():
-        if key == "output.weight" and args.tie_embeddings:
-            continue  # HF stores a tied head once, as the embedding
-        if key.endswith("attention.wq.weight"):
-            w = permute_to_hf(w, args.n_heads)
-        elif key.endswith("attention.wk.weight"):
-            w = permute_to_hf(w, args.n_kv_heads)
-        out[to_format(key, "hf")] = w
-    return out
+    tied_head = {"output.weight"} if args.tie_embeddings else set()  # HF stores a tied head once, as the embedding
+    return {to_format(key, "hf"): _qk_permuted(key, w, args, permute_to_hf) for key, w in state_dict.items()
+            if key not in tied_head}
 
 
 def from_hf_state_dict(state_dict: dict, args: ModelArgs) -> dict:
@@ -69,13 +72,7 @@ def _from_hf_names(state_dict: dict) -> dict:
 
 def _from_hf_rows(state: dict, args: ModelArgs) -> dict:
     """A state dict in our names with HF's q/k rows put back in Meta's order, and a tied head."""
-    out = {}
-    for key, w in state.items():
-        if key.endswith("attention.wq.weight"):
-            w = permute_from_hf(w, args.n_heads)
-        elif key.endswith("attention.wk.weight"):
-            w = permute_from_hf(w, args.n_kv_heads)
-        out[key] = w
+    out = {key: _qk_permuted(key, w, args, permute_from_hf) for key, w in state.items()}
     if args.tie_embeddings:
         out["output.weight"] = out["tok_embeddings.weight"]
     return out
@@ -102,7 +99,7 @@ def read_hf(path: Path):
         state = _from_hf_names(state)
     except KeyError as e:
         raise ValueError(f"{path} holds tensor {e}, which is not part of a Llama model") from None
-    check_fits(args, state, path, layout="hf")  # before the q/k rows are permuted, which needs their shapes
+    check_fits_config(args, state, path, layout="hf")  # before the q/k rows are permuted, which needs their shapes
     return args, _from_hf_rows(state, args)
 
 

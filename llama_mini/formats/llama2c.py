@@ -30,7 +30,7 @@ import torch
 
 from .config_check import check_fields, model_args
 from .reading import tensor_dict, torch_load
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
 MAGIC = 0x616B3432  # "ak42" as a little-endian uint32
 HEADER = ("dim", "hidden_dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "max_seq_len")
@@ -73,7 +73,7 @@ def read_bin(file: Path):
             if template is not None:
                 state[template.format(i)] = _array(data, pos, shape, group_size)
             pos += _nbytes(shape, group_size)
-    check_fits(args, state, file)
+    check_fits_config(args, state, file)
     if shared:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
@@ -169,5 +169,5 @@ def read_pt(file: Path):
     state = tensor_dict(checkpoint["model"], file)
     state = {k.removeprefix(_COMPILE_PREFIX): v for k, v in state.items()}
     args = model_args(fields, file)
-    check_fits(args, state, file)
+    check_fits_config(args, state, file)
     return args, state

@@ -15,7 +15,7 @@ from .config_check import model_args
 from ..support.files import atomic_write, torch_save
 from .reading import read_json, tensor_dict, torch_load
 from .names import meta_split_dim
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
 META_PARAMS = "params.json"
 
@@ -38,7 +38,7 @@ def read_meta(path: Path, tokenizer_vocab_size):
         names = ", ".join(f.name for f in files) or "none"
         raise FileNotFoundError(f"{path} needs consolidated.00.pth, consolidated.01.pth, ... (one per model-parallel rank); found {names}")
     state = merge_meta_shards([tensor_dict(torch_load(f), f) for f in files])
-    check_fits(args, state, path)
+    check_fits_config(args, state, path)
     return args, state
 
 

@@ -15,11 +15,12 @@ from safetensors.torch import save_file
 from ..support.files import atomic_write
 from ..quant import read_quantization
 from .config_check import model_args
+from .hf import CONFIG, WEIGHTS
 from .reading import read_json, read_safetensors
 from .record import check_config, format_record
-from .state_dict import check_fits
+from .state_dict import check_fits_config
 
-CONFIG, WEIGHTS, TOKENIZER, LATEST = "config.json", "model.safetensors", "tokenizer.model", "latest"
+TOKENIZER, LATEST = "tokenizer.model", "latest"
 CHECKPOINT_NAME = re.compile(r"step-([0-9]+)")
 
 
@@ -62,7 +63,7 @@ def read_native(path: Path):
     args = model_args(config, path / CONFIG)
     quantization = read_quantization(fields["quantization"], path / CONFIG) if "quantization" in fields else None
     state = read_safetensors(path / WEIGHTS, quantized=quantization is not None)
-    check_fits(args, state, path, quantization=quantization)
+    check_fits_config(args, state, path, quantization=quantization)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state, quantization

@@ -1,4 +1,4 @@
-"""A state dict made a model: checked against its config by name and shape (check_fits, the
+"""A state dict made a model: checked against its config by name and shape (check_fits_config, the
 one check every reader makes), then assigned (build_model).
 
 The check runs before anything large is built or read, so a config that disagrees with its
@@ -38,7 +38,7 @@ def tie_equal_heads(state: dict) -> bool:
     return True
 
 
-def check_fits(args: ModelArgs, tensors: dict, source, layout: str = "ours", quantization=None) -> None:
+def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "ours", quantization=None) -> None:
     """Refuse, in one line naming source, tensors (by our names; anything with a shape) that are
     not exactly the model args describes, quantized as the record says: every name and shape.
 
@@ -80,7 +80,7 @@ def _listed(names: dict) -> str:
 
 def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
     """A Transformer holding the tensors of state themselves, not copies (load_state_dict's
-    assign), on the meta device until then. state is a reader's, checked by check_fits, or
+    assign), on the meta device until then. state is a reader's, checked by check_fits_config, or
     a live model's; quantization (a stored record) builds the quantized layers it holds."""
     model = _empty_model(args, quantization)
     dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}

@@ -13,12 +13,12 @@ to load them into without ever holding full-precision weights. Which layout a ch
 buffers are in is the format record's to say (llama_mini/formats/record.py).
 """
 
-import time
 from typing import Optional
 
 import torch
 from torch import nn
 
+from ..support.device import fastest_time
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
@@ -81,12 +81,9 @@ def _linears(model: nn.Module, kind=nn.Linear):
             if isinstance(child, kind)]
 
 
-# Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster
-# (layers.one_row; docs/generate_speed.md).
+# Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster;
+# with its plain code they run slower (layers.one_row; docs/generate_speed.md has the measurements).
 FAST_COMPILED_CPU_CODE = ("AVX512", "AVX2")
-# Elsewhere, the layers of a 110M model against F.linear, compiled with torch's plain x86 code
-# (no vector instructions of its own): measured, the figure the notice gives.
-COMPILED_SPEED_PLAIN_CPU = {"int8": 0.50, "int4": 0.55}
 
 
 def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool = False) -> Optional[str]:
@@ -104,9 +101,8 @@ def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool 
     if compiled:
         if fast_compiled:
             return None
-        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones (measured "
-                f"with its plain x86 code: {COMPILED_SPEED_PLAIN_CPU[method]}x their speed): {flag} {method} saves "
-                "memory, not time")
+        return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones "
+                f"(docs/generate_speed.md has the speeds measured): {flag} {method} saves memory, not time")
     if (slowdown := quantized_slowdown(layer)) < 1.5:
         return None
     return (f"note: here {method} layers take {slowdown:.0f}x the time of float ones in a decoding step (off the CPU "
@@ -120,20 +116,7 @@ def quantized_slowdown(layer: nn.Module) -> float:
     x = torch.randn(1, 1, layer.in_features, device=layer.scales.device, dtype=layer.scales.dtype)
     with torch.inference_mode():
         weight = layer.dequantize()
-
-        def fastest(step) -> float:
-            times = []
-            for _ in range(4):
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                step()
-                if x.is_cuda:
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            return min(times[1:])
-
-        return fastest(lambda: layer(x)) / fastest(lambda: torch.nn.functional.linear(x, weight))
+        return fastest_time(lambda: layer(x), x.device) / fastest_time(lambda: torch.nn.functional.linear(x, weight), x.device)
 
 
 def parameter_count(model: nn.Module) -> int:

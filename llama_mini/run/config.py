@@ -21,9 +21,6 @@ from .data import corpus_name
 # --dtype's choices: auto, or one of the dtypes, but float16, which needs a gradient scaler
 # that the training step does not have.
 TRAIN_DTYPES = ("auto", *(name for name in DTYPES if name != "float16"))
-# The model's shape. None takes the shape of the checkpoint a run resumes or starts from
-# (--init-from); a run from scratch takes the field's "scratch" default.
-MODEL_SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "vocab_size", "norm", "norm_p", "tie_embeddings")
 
 
 def option(default, help: str, **extra):
@@ -78,8 +75,8 @@ class TrainConfig:
     device: Optional[str] = option(None, "cuda, mps or cpu (default: the first available, in that order)")
     dtype: str = option("auto", "auto: bfloat16 autocast on CUDA, float32 elsewhere", choices=TRAIN_DTYPES)
     compile: bool = option(False, "torch.compile the model, each Transformer block on its own")
-    kernels: str = option("auto", "auto: the fused RMSNorm kernel on a CPU, where it builds; off: model.py's own code",
-                          choices=KERNELS)
+    kernels: str = option("auto", "auto: on a CPU, llama_mini's fused RMSNorm, SwiGLU gate and RoPE kernels, where they "
+                          "build (on a GPU with Triton, each RMSNorm compiled); off: model.py's own code", choices=KERNELS)
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):
@@ -122,6 +119,11 @@ class TrainConfig:
 
     def run_dir(self) -> Path:
         return Path(self.out) if self.out else Path("checkpoints") / (self.run_name or corpus_name(self.data))
+
+
+# The model's shape: the flags that are ModelArgs fields. None takes the shape of the checkpoint
+# a run resumes or starts from (--init-from); a run from scratch takes the field's "scratch" default.
+MODEL_SHAPE = tuple(f.name for f in dataclasses.fields(TrainConfig) if f.name in {g.name for g in dataclasses.fields(ModelArgs)})
 
 
 def add_arguments(parser, names=None, defaults=None) -> None:

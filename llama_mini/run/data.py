@@ -27,7 +27,7 @@ from ..tokenizers.long_text import encode_long
 from ..tokenizers.spm import train_sentencepiece
 from . import corpus as stories
 
-READ_BYTES = 1 << 22  # files are checked and hashed 4 MB at a time
+READ_BYTES = 1 << 22  # files are read (checked, hashed, scored) 4 MB at a time
 
 
 @dataclass
@@ -73,23 +73,31 @@ def text_files(path: Path) -> list[Path]:
     return files
 
 
-def check_utf8(path: Path, digest) -> bool:
-    """Feed path's bytes to digest; fail naming the first byte that is not UTF-8 and its
-    offset. True if the file holds anything besides whitespace."""
+def utf8_blocks(path) -> Iterator[tuple[bytes, str]]:
+    """path's bytes READ_BYTES at a time, each block with its text (a character cut by a block's
+    end is the next block's); fails naming the first byte that is not UTF-8 and its offset."""
     decoder = codecs.getincrementaldecoder("utf-8")()
-    offset, has_text = 0, False
+    offset = 0
     with open(path, "rb") as f:
         while block := f.read(READ_BYTES):
-            digest.update(block)
             carried = len(decoder.getstate()[0])  # the start of a character cut by the previous block
             try:
                 text = decoder.decode(block)
             except UnicodeDecodeError as e:
                 raise not_utf8(path, e.object[e.start], offset - carried + e.start) from None
-            has_text = has_text or bool(text.strip())
+            yield block, text
             offset += len(block)
     if pending := decoder.getstate()[0]:  # the file ends inside a character
         raise not_utf8(path, pending[0], offset - len(pending))
+
+
+def check_utf8(path: Path, digest) -> bool:
+    """Feed path's bytes to digest; fail naming the first byte that is not UTF-8 and its
+    offset. True if the file holds anything besides whitespace."""
+    has_text = False
+    for block, text in utf8_blocks(path):
+        digest.update(block)
+        has_text = has_text or bool(text.strip())
     return has_text
 
 

@@ -35,6 +35,7 @@ from ..formats.record import check_run_record, format_record
 from ..formats.state_dict import build_model
 from ..model import ModelArgs
 from ..tokenizers import copy_tokenizer
+from .config import MODEL_SHAPE
 from .lock import LOCK_NAME, RunFolderBusy, RunLock
 from .plots import Curve, plot_curves
 
@@ -42,10 +43,7 @@ RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
 
 # Settings a resumed run must share with its checkpoint: they fix the model and the data it
 # sees (and under --fsdp, the optimizer state is keyed by parameter name, not position).
-RESUME_MUST_MATCH = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "multiple_of", "norm", "norm_p", "tie_embeddings",
-    "vocab_size", "tokenizer", "seq_len", "val_fraction", "fsdp",
-)
+RESUME_MUST_MATCH = (*MODEL_SHAPE, "tokenizer", "seq_len", "val_fraction", "fsdp")
 
 
 class RunFolder:

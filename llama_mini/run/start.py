@@ -3,9 +3,9 @@
 The run folder is checked first and taken last, so a run refused for a flag, a file or its
 data leaves nothing behind. In between: the data and its tokenizer (a resumed run's own,
 --tokenizer, the --init-from checkpoint's, or one trained on the data), the model (from
-scratch, the run's latest checkpoint or --init-from; with the fused RMSNorm where it builds,
-so that RMSNorm trains at LayerNorm's speed), wrapped for the processes torchrun started, its
-optimizer and the Trainer that steps them.
+scratch, the run's latest checkpoint or --init-from; under --kernels auto with the fused
+RMSNorm, SwiGLU gate and RoPE where they build, so that RMSNorm trains at LayerNorm's speed),
+wrapped for the processes torchrun started, its optimizer and the Trainer that steps them.
 """
 
 import functools
@@ -16,7 +16,7 @@ import torch
 from ..support.device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
-from ..support.memory import check_fits, shape_parameters, training_bytes
+from ..support.memory import check_free_memory, shape_parameters, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
@@ -105,7 +105,7 @@ def check_training_fits(args, cfg: TrainConfig, device) -> None:
     n = shape_parameters(args)
     model = f"{n / 1e6:,.2f}M" if n < 1e15 else f"{n:.1e}"
     fix = "lower --batch-size" + ("" if cfg.init_from or cfg.resume else ", --dim or --n-layers")
-    check_fits(training_bytes(args, cfg.batch_size, cfg.seq_len),
+    check_free_memory(training_bytes(args, cfg.batch_size, cfg.seq_len),
                f"training {model} parameters on batches of {cfg.batch_size} x {cfg.seq_len} tokens", device, fix)
 
 

@@ -3,9 +3,9 @@
 start_run (start.py) builds one from train.py's flags; train.py's loop and the ablation drive
 it. The step is the Trainer's (llama_mini/trainer.py), on the model and batches it was given.
 Here is the rest: the run's description for the log, evaluation (loss, perplexity and bits per
-byte, which takes the tokenizer), a sample of text, and checkpoints of the whole state
-(gathered from the shards under FSDP), refused when the weights are not finite, and the
-resume from one, exact to the bit.
+byte, which takes the tokenizer), a sample of a model's text (sample_text), and checkpoints of
+the whole state (gathered from the shards under FSDP), refused when the weights are not
+finite, and the resume from one, exact to the bit.
 """
 
 import dataclasses
@@ -100,16 +100,6 @@ class TrainingRun:
         nats, n_bytes = self.group.sum(total).tolist()
         val_loss = nats / (len(starts) * world * T)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700)), "val_bpb": bits_per_byte(nats, n_bytes)}
-
-    def sample(self, prompt: str, max_new_tokens: int) -> str:
-        """The model's continuation of prompt (Meta's sampling defaults, seeded by --seed)."""
-        if self.cfg.fsdp:
-            raise ValueError("a sharded (--fsdp) model cannot sample in place; sample load_checkpoint(run folder)")
-        self.raw_model.eval()
-        try:
-            return sample_text(self.raw_model, self.tokenizer, prompt, max_new_tokens, seed=self.cfg.seed)
-        finally:
-            self.raw_model.train()
 
     # -- state --
 

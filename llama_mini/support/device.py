@@ -1,9 +1,10 @@
 """Where and in what to compute: the device (CUDA, then Apple's MPS, then the CPU, unless one
-is named), the dtypes the command lines offer, and what bfloat16 costs on this CPU."""
+is named), the dtypes the command lines offer, what bfloat16 costs on this CPU, and the timer
+that measures such costs."""
 
 import functools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -39,23 +40,35 @@ def pick_device(name: Optional[str] = None, local_rank: int = 0) -> torch.device
     return device
 
 
+def fastest_time(step: Callable[[], object], device: torch.device, runs: int = 3) -> float:
+    """The shortest of runs timings of step() on device, in seconds, after one run untimed (the
+    first pays for allocations and caches); on a GPU each waits for the device to finish."""
+
+    def finished():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    step()
+    times = []
+    for _ in range(runs):
+        finished()
+        start = time.perf_counter()
+        step()
+        finished()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
 @functools.cache
 def bfloat16_slowdown() -> float:
     """How many times longer torch takes to multiply bfloat16 matrices than float32 ones on this
     CPU, measured (a few milliseconds, once per process): about 1 on CPUs with AVX-512 BF16 or
     AMX, which multiply bf16 natively, and ten or more on others, where torch converts
     element by element."""
-
-    def fastest(dtype) -> float:
-        a, b = torch.randn(256, 512).to(dtype), torch.randn(512, 512).to(dtype)
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            a @ b
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    return fastest(torch.bfloat16) / fastest(torch.float32)
+    cpu = torch.device("cpu")
+    a, b = torch.randn(256, 512), torch.randn(512, 512)
+    bf16_a, bf16_b = a.bfloat16(), b.bfloat16()
+    return fastest_time(lambda: bf16_a @ bf16_b, cpu) / fastest_time(lambda: a @ b, cpu)
 
 
 def bfloat16_notice(device: torch.device, dtype: torch.dtype, flag: str) -> Optional[str]:

@@ -13,19 +13,17 @@ from typing import Optional
 
 import torch
 
-from ..model import ModelArgs, ffn_hidden_dim
+from ..model import ModelArgs
+from ..trainer import layer_matrix_weights
 
 GiB = 2**30
 
 
 def shape_parameters(args: ModelArgs) -> int:
     """The parameters of Transformer(args), from its shape alone (no allocation)."""
-    head_dim = args.dim // args.n_heads
-    hidden = args.hidden_dim or ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-    attention = args.dim * head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    block = attention + 3 * args.dim * hidden + 2 * args.dim
+    block = layer_matrix_weights(args) + 2 * args.dim  # and its two norms
     embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    return args.n_layers * block + embeddings + args.dim
+    return args.n_layers * block + embeddings + args.dim  # and the final norm
 
 
 def training_bytes(args: ModelArgs, batch_size: int, seq_len: int) -> int:
@@ -38,8 +36,7 @@ def training_bytes(args: ModelArgs, batch_size: int, seq_len: int) -> int:
 
 def kv_cache_bytes(args: ModelArgs, batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
     """The keys and values of every layer for batch_size sequences of max_seq_len positions."""
-    head_dim = args.dim // args.n_heads
-    return 2 * args.n_layers * batch_size * max_seq_len * args.n_kv_heads * head_dim * dtype.itemsize
+    return 2 * args.n_layers * batch_size * max_seq_len * args.n_kv_heads * args.head_dim * dtype.itemsize
 
 
 def free_bytes(device: torch.device) -> Optional[int]:
@@ -61,7 +58,7 @@ def free_bytes(device: torch.device) -> Optional[int]:
         return None
 
 
-def check_fits(needed: int, what: str, device: torch.device, fix: str) -> None:
+def check_free_memory(needed: int, what: str, device: torch.device, fix: str) -> None:
     """Refuse, in one line naming both figures and fix, what needs more than device has free."""
     free = free_bytes(device)
     if free is not None and needed > free:

@@ -174,11 +174,27 @@ def test_the_notice_gives_the_measured_cost_and_the_way_out(isa, monkeypatch):
     assert quantized_notice(tiny_model()) is None  # no integer layers
 
 
+def test_the_slowdown_is_the_fastest_of_the_timed_runs_after_an_untimed_one(monkeypatch):
+    """support/device.py's fastest_time, the timer of quantized_slowdown (and bfloat16_slowdown):
+    a first run untimed, then the fastest of three."""
+    from types import SimpleNamespace
+
+    from llama_mini.quant import quantized_slowdown
+    from llama_mini.support import device
+
+    calls, clock = [], iter([0.0, 5.0, 5.0, 7.0, 7.0, 10.0])  # timed runs of 5, 2 and 3 seconds
+    monkeypatch.setattr(device, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+    assert device.fastest_time(lambda: calls.append(1), torch.device("cpu")) == 2.0
+    assert len(calls) == 4
+    monkeypatch.undo()
+    assert 0 < quantized_slowdown(layer_of(Int8Linear, {})) < float("inf")
+
+
 def test_compiled_on_torchs_plain_cpu_code_the_notice_says_integer_layers_are_slower(monkeypatch):
     monkeypatch.setattr("torch.backends.cpu.get_cpu_capability", lambda: "DEFAULT")
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 18.4)
     int4 = quantize(tiny_model(), "int4")
     assert quantized_notice(int4, compiled=True) == (
-        "note: compiled with torch's DEFAULT CPU code, int4 layers decode slower than float ones (measured with its "
-        "plain x86 code: 0.55x their speed): --quantize int4 saves memory, not time")
+        "note: compiled with torch's DEFAULT CPU code, int4 layers decode slower than float ones "
+        "(docs/generate_speed.md has the speeds measured): --quantize int4 saves memory, not time")
     assert quantized_notice(int4).endswith("--quantize int4 saves memory, not time")  # --compile is no way out here
