@@ -391,7 +391,7 @@ def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monk
     torch.save({"model": model.state_dict(), "model_args": TINY}, paths["llama2c-pt"])
     checked = []
     for reader in (gguf, hf, llama2c, meta, native):
-        monkeypatch.setattr(reader, "check_fits", lambda *a, **k: checked.append(a[2]) or state_dict.check_fits(*a, **k))
+        monkeypatch.setattr(reader, "check_fits_config", lambda *a, **k: checked.append(a[2]) or state_dict.check_fits_config(*a, **k))
     for fmt, path in paths.items():
         checked.clear()
         load_checkpoint(path)
