@@ -5,15 +5,15 @@
 
 Text is printed token by token as it is generated, until the tokenizer's stop ids (Llama-3
 ends a chat turn with <|eot_id|>) or --max-new-tokens. --chat reads one user turn per line
-from stdin, in the model family's chat format (llama_mini/cli/chat.py).
+from stdin, in the model family's chat format (llama_mini/inference/chat.py).
 """
 
 import argparse
 import sys
 
-from llama_mini.cli import check_context, check_number, flag, run_main, utf8_text
-from llama_mini.cli.chat import MAX_PROMPT_BYTES, chat, complete, nth_seed
-from llama_mini.cli.loading import add_model_arguments, load_model, open_checkpoint
+from llama_mini.support.cli import check_context, check_number, flag, run_main, utf8_text
+from llama_mini.inference.chat import MAX_PROMPT_BYTES, chat, complete, nth_seed
+from llama_mini.inference.loading import add_model_arguments, load_model, open_checkpoint
 from llama_mini.generation import TEMPERATURE, TOP_P, check_sampling_args
 from llama_mini.support.memory import check_free_memory, kv_cache_bytes
 

@@ -22,7 +22,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from llama_mini.cli import run_main  # noqa: E402
+from llama_mini.support.cli import run_main  # noqa: E402
 from llama_mini.support.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
 from llama_mini.trainer import NonFiniteLoss  # noqa: E402

@@ -33,7 +33,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from .cli import check_number, run_main
+from .support.cli import check_number, run_main
 from .support.files import atomic_write, check_new_folder
 from .model import NORMS
 from .run.config import TrainConfig, add_arguments

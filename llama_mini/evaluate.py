@@ -21,8 +21,8 @@ import torch
 from tqdm import tqdm
 
 from .support.bits_per_byte import TextBytes, bits_per_byte
-from .cli import check_number, run_main
-from .cli.loading import add_model_arguments, load_model, open_checkpoint
+from .support.cli import check_number, run_main
+from .inference.loading import add_model_arguments, load_model, open_checkpoint
 from .model import check_fits_context
 from .tokenizers.long_text import encode_long
 from .run.data import check_utf8, utf8_blocks

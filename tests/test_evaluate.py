@@ -97,7 +97,7 @@ def test_perplexity_and_bits_per_byte_equal_a_direct_computation(files, case, ca
 
 
 def main_exit(argv) -> int:
-    from llama_mini.cli import run_main
+    from llama_mini.support.cli import run_main
 
     return run_main(main, argv)
 

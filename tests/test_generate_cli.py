@@ -82,7 +82,7 @@ def test_llama2c_tokenizer_bin_encodes_the_prompt_and_prints_the_text(eos_ckpt, 
 def test_chat_sends_the_whole_dialog_each_turn(ckpt, monkeypatch, capsys):
     cli = load_cli()
     prompts, answers = [], iter([[450, 1234], [3869]])  # ▁The ..., ▁Yes
-    monkeypatch.setattr("llama_mini.cli.chat.generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
+    monkeypatch.setattr("llama_mini.inference.chat.generate_stream", lambda model, p, *a: prompts.append(p[0]) or ([t] for t in next(answers)))
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"Hi\nWhy?\n")))
     # The second prompt is 39 tokens: with 8 new ones it fits the 64-token context whole.
     cli.main(["--ckpt", str(ckpt), "--chat", "--system", "Be brief.", "--max-new-tokens", "8"])
@@ -222,7 +222,7 @@ def test_bf16_off_the_kernels_on_a_cpu_without_fast_bf16_products_says_what_it_c
     """--compile (or a CPU the kernels do not run on) leaves bf16 products to torch: where they are
     slow, one line says how slow and what to use. On the kernels bf16 runs in float32 tiles."""
     from llama_mini.support import device
-    from llama_mini.cli import loading as inference
+    from llama_mini.inference import loading as inference
 
     cli = load_cli()
     monkeypatch.setattr(device, "bfloat16_slowdown", lambda: 14.6)

@@ -40,7 +40,7 @@ def test_samples_stop_at_eot_and_print_what_generate_returns(hf_llama3, tokenize
 
 def test_system_prompt_sends_metas_llama3_dialog(hf_llama3, tokenizer, monkeypatch, capsys):
     cli, prompts = load_cli(), []
-    monkeypatch.setattr("llama_mini.cli.chat.generate_stream", lambda model, p, *a: prompts.append(p[0]) or iter([[13347], [None]]))  # None: the stop id
+    monkeypatch.setattr("llama_mini.inference.chat.generate_stream", lambda model, p, *a: prompts.append(p[0]) or iter([[13347], [None]]))  # None: the stop id
     cli.main(["--ckpt", str(hf_llama3), "--prompt", "Hi", "--system", "Be brief."])
     header = lambda role: [START_HEADER, *tokenizer.encode(role, bos=False), END_HEADER, NEWLINES]  # noqa: E731
     assert prompts == [

@@ -526,7 +526,7 @@ def test_generation_from_nan_logits_raises_a_clear_error():
 def test_a_destination_that_cannot_be_created_is_named_as_the_user_named_it(files, tmp_path, monkeypatch, capsys):
     """A read-only parent folder (simulated: root may write anywhere) fails the hidden folder's
     creation; the message names the destination."""
-    from llama_mini.cli import run_main
+    from llama_mini.support.cli import run_main
     from llama_mini.formats import convert
 
     real_mkdir = Path.mkdir

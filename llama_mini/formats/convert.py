@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import check_context, check_number, run_main
+from ..support.cli import check_context, check_number, run_main
 from ..support.device import DTYPES
 from ..support.files import atomic_folder, check_new_folder
 from ..quant import QUANTIZATIONS

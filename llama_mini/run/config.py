@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..cli import KERNELS, check_context, check_number, flag, utf8_text
+from ..support.cli import KERNELS, check_context, check_number, flag, utf8_text
 from ..support.device import DTYPES
 from ..model import NORMS, ModelArgs
 from ..trainer import Hyperparameters

@@ -35,7 +35,7 @@ import random
 import sys
 from pathlib import Path
 
-from ..cli import run_main
+from ..support.cli import run_main
 from ..support.files import atomic_write
 
 STORIES_JSON = Path(__file__).with_name("stories.json")

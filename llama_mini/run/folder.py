@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ..cli import flag
+from ..support.cli import flag
 from ..support.files import atomic_folder, atomic_write, torch_save
 from ..formats.checkpoint import save_checkpoint
 from ..formats.native import CHECKPOINT_NAME, LATEST, TOKENIZER, checkpoint_name, read_latest, step_of

@@ -13,7 +13,7 @@ from fixtures import TINY, tiny_model
 from generate_cli_helpers import run_in_process
 from llama_mini import load_checkpoint, quantize, save_checkpoint
 from llama_mini import evaluate
-from llama_mini.cli import run_main
+from llama_mini.support.cli import run_main
 from llama_mini.formats import convert
 from llama_mini.formats.record import FORMAT_VERSION
 from llama_mini.run import corpus

@@ -206,7 +206,7 @@ def prompt_and_steps(model, tokens, steps=3):
 
 
 def inference_model(quantization, kernels):
-    """The tiny model as generate.py loads it on a CPU (cli/loading.py), or with --kernels off."""
+    """The tiny model as generate.py loads it on a CPU (inference/loading.py), or with --kernels off."""
     model = tiny_model()
     if quantization:
         quantize(model, quantization)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from fixtures import tiny_model
 from llama_mini import load_checkpoint, save_checkpoint
-from llama_mini.cli.loading import load_model
+from llama_mini.inference.loading import load_model
 from llama_mini.kernels import on_kernels, use_cpu_kernels
 from llama_mini.kernels.block import block_refusal
 from llama_mini.kernels.linear import kernel_operands
@@ -152,7 +152,7 @@ def loaded(tmp_path, kernels, compile_=False):
 
 
 def test_generate_holds_plain_rows_off_the_kernels_and_sets_on_them(tmp_path, monkeypatch):
-    monkeypatch.setattr("llama_mini.cli.loading.check_vocab_size", lambda *a: None)
+    monkeypatch.setattr("llama_mini.inference.loading.check_vocab_size", lambda *a: None)
     off = loaded(tmp_path / "off", "off")
     assert all(not m.rows_of_8 for m in off.modules() if isinstance(m, Int8Linear))
     if operators() is not None:

@@ -11,7 +11,7 @@ import sys
 
 from ..generation import SEED_LIMIT, generate_stream, stream_text
 from ..model import check_fits_context
-from . import utf8_text
+from ..support.cli import utf8_text
 
 # Llama-3.1's context, 131,072 tokens, the longest of the family, at 128 bytes a token (its
 # tokenizer's longest): a prompt file or a chat message longer than this cannot fit any context.

@@ -5,7 +5,7 @@ and `python -m llama_mini.evaluate` share, so both read every format, --dtype, -
 import sys
 import time
 
-from . import KERNELS
+from ..support.cli import KERNELS
 from ..support.device import DTYPES, bfloat16_notice, pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
 from ..kernels import on_kernels, use_fused_rmsnorm, use_cpu_kernels
