@@ -23,9 +23,9 @@
 // by four activations at once, and each block's exact sum gets its scales in float32.
 // Converting each weight to float instead would need several times the instructions.
 //
-// Plain C++ over raw pointers behind a C ABI (matvec.h), without torch; matvec_op.cpp makes
+// Plain C++ over raw pointers behind a C ABI (kernels.h), without torch; linear_op.cpp makes
 // the torch operators. x86-64 with AVX2 and FMA only; elsewhere the entry points are empty,
-// matvec_available() says 0, and the Python side runs the layers' own code.
+// vector_kernels_available() says 0, and the Python side runs the layers' own code.
 
 #include <algorithm>
 #include <cfloat>
@@ -39,7 +39,7 @@
 #include <omp.h>
 #endif
 
-#include "matvec.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -253,7 +253,7 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
 //
 // A tile of rows of x against rows of W reads a vector of each for every few multiply-adds, and
 // a prompt is bound by loads: 0.6-0.75x torch's sgemm with AVX2's eight lanes, 0.61-0.85x with
-// AVX-512's sixteen. Held in panels of sixteen outputs, input-major (matvec.h), the weights meet
+// AVX-512's sixteen. Held in panels of sixteen outputs, input-major (kernels.h), the weights meet
 // each input of a row broadcast to all lanes: a tile of PANEL_MR rows against PANEL_NP panels
 // does 6 x PANEL_NP sixteen-lane multiply-adds per PANEL_NP loads of weights, as BLAS kernels
 // do; a decoding step streams a few panels in order. Each output is then summed input after
@@ -357,7 +357,7 @@ void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64
 
 // --- Integer weights -----------------------------------------------------------------------------
 //
-// Rows come in sets of eight, interleaved (matvec.h): a tile takes NZ pairs of sets side by
+// Rows come in sets of eight, interleaved (kernels.h): a tile takes NZ pairs of sets side by
 // side, sixteen rows each (a set alone where the count is odd), one int32 lane per row, so
 // there are no sums across lanes.
 
@@ -498,7 +498,7 @@ template <typename Tile> void over_sets(int64_t rows, int64_t n, int threads, co
 
 }  // namespace
 
-extern "C" int matvec_available() { return 1; }
+extern "C" int vector_kernels_available() { return 1; }
 
 extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
                              int w_bf16, int threads) {
@@ -584,7 +584,7 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.
 
-extern "C" int matvec_available() { return 0; }
+extern "C" int vector_kernels_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_panels(const void*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
