@@ -11,7 +11,7 @@ from llama_mini.kernels.operators import operators
 from llama_mini.model import Attention, FeedForward, apply_rotary_emb, rope_cos_sin
 from fixtures import assert_swaps_every, tiny_model
 
-KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RoPEFunction>"  # kernels/csrc/matvec_op.cpp
+KERNEL_NODE = "torch::autograd::CppNode<llama_mini::RoPEFunction>"  # kernels/csrc/rope_op.cpp
 
 requires_kernels = pytest.mark.skipif(operators() is None, reason="no vector kernels on this machine (x86-64 with AVX2 and FMA)")
 pytestmark = requires_kernels

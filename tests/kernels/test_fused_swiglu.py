@@ -13,7 +13,7 @@ from llama_mini.kernels.operators import operators
 from llama_mini.model import FeedForward
 from fixtures import assert_swapped_layers_keep_the_function, assert_swaps_every
 
-KERNEL_NODE = "torch::autograd::CppNode<llama_mini::SwiGLUFunction>"  # kernels/csrc/matvec_op.cpp
+KERNEL_NODE = "torch::autograd::CppNode<llama_mini::SwiGLUFunction>"  # kernels/csrc/swiglu_op.cpp
 
 requires_kernels = pytest.mark.skipif(operators() is None, reason="no vector kernels on this machine (x86-64 with AVX2 and FMA)")
 pytestmark = requires_kernels

@@ -72,7 +72,7 @@ def test_panels_match_float64_and_are_the_rows_weight(ops, x_dtype, rows, n, k, 
 
 
 def test_panels_sum_each_output_input_after_input_from_zero(ops):
-    """The order the panels' kernel promises (csrc/matvec.cpp): a fused multiply-add per input,
+    """The order the panels' kernel promises (csrc/linear.cpp): a fused multiply-add per input,
     in order, from zero; the same bits as that loop written out in float32."""
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(11, 50, generator=g), torch.randn(32, 50, generator=g)  # a prompt's tiles, and one of 5 rows

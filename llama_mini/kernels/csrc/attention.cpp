@@ -11,7 +11,7 @@
 // Rotation and rounding as model.py's; attention in float32, as SDPA computes it, the output
 // rounded once to the input dtype.
 //
-// Plain C++ over raw pointers behind a C ABI (matvec.h), without torch; matvec_op.cpp makes
+// Plain C++ over raw pointers behind a C ABI (kernels.h), without torch; attention_op.cpp makes
 // the torch operator. x86-64 with AVX2 and FMA only; elsewhere the entry point is empty.
 
 #include <algorithm>
@@ -20,7 +20,7 @@
 #include <cstring>
 #include <vector>
 
-#include "matvec.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -236,7 +236,7 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
     else of_size(static_cast<const float*>(nullptr));
 }
 
-#else  // no AVX2: nothing here runs (matvec_available() says so).
+#else  // no AVX2: nothing here runs (vector_kernels_available() says so).
 
 extern "C" void attention(const void*, const void*, const void*, void*, void*, void*, const float*, const float*,
                           int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int) {}

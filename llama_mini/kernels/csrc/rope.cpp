@@ -10,12 +10,12 @@
 //   backward: dx = dout * cos + swap(dout * sin)        (the gradient of each term, summed)
 // each rounded to the dtype once at the end, as the eager .float() and .type_as(x) do.
 //
-// Plain C++ over raw pointers behind a C ABI (matvec.h); matvec_op.cpp makes the operator.
+// Plain C++ over raw pointers behind a C ABI (kernels.h); rope_op.cpp makes the operator.
 // x86-64 with AVX2 and FMA only; elsewhere the entry points are empty.
 
 #include <cstdint>
 
-#include "matvec.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -65,7 +65,7 @@ extern "C" void rope(const void* x, void* out, const float* cos, const float* si
                   backward, threads);
 }
 
-#else  // no AVX2: nothing here runs (matvec_available() says so).
+#else  // no AVX2: nothing here runs (vector_kernels_available() says so).
 
 extern "C" void rope(const void*, void*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
 

@@ -1,4 +1,4 @@
-// Vector helpers shared by the linear layers (matvec.cpp) and attention (attention.cpp): sums
+// Vector helpers shared by the linear layers (linear.cpp) and attention (attention.cpp): sums
 // across lanes, sixteen-lane float and integer vectors, and the split of a matrix's rows among
 // threads.
 //
@@ -142,7 +142,7 @@ inline Floats16 fnma(Floats16 a, Floats16 b, Floats16 c) {
 
 // --- A dense layer's output ---------------------------------------------------------------------
 //
-// Each output of x W^T is summed in one order, whatever the tile, chunk or thread (matvec.cpp):
+// Each output of x W^T is summed in one order, whatever the tile, chunk or thread (linear.cpp):
 // the inputs in blocks of DENSE_KC, each block in float32 lanes (DenseLanes) that add the
 // products of their inputs in order, folded and summed pairwise (hsum) and added to the output's
 // sum; then the last inputs (k mod the lanes) one by one. With AVX-512, sixteen lanes, inputs

@@ -11,14 +11,14 @@
 // Training differentiates it in one pass too (swiglu_backward): autograd's chain for the two
 // eager operations reads and writes the hidden activations five times more.
 //
-// Plain C++ over raw pointers behind a C ABI (matvec.h); block_op.cpp and matvec_op.cpp call
-// it. x86-64 with AVX2 and FMA only; elsewhere the entry points are empty.
+// Plain C++ over raw pointers behind a C ABI (kernels.h); swiglu_op.cpp makes the operator,
+// which block_op.cpp calls too. x86-64 with AVX2 and FMA only; elsewhere the entry points are empty.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#include "matvec.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -103,7 +103,7 @@ extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, 
                   static_cast<float*>(da), static_cast<float*>(db), n, threads);
 }
 
-#else  // no AVX2: nothing here runs (matvec_available() says so).
+#else  // no AVX2: nothing here runs (vector_kernels_available() says so).
 
 extern "C" void swiglu(const void*, const void*, void*, int64_t, int, int) {}
 extern "C" void swiglu_backward(const void*, const void*, const void*, void*, void*, int64_t, int, int) {}

@@ -23,9 +23,9 @@
 // by four activations at once, and each block's exact sum gets its scales in float32.
 // Converting each weight to float instead would need several times the instructions.
 //
-// Plain C++ over raw pointers behind a C ABI (matvec.h), without torch; matvec_op.cpp makes
+// Plain C++ over raw pointers behind a C ABI (kernels.h), without torch; linear_op.cpp makes
 // the torch operators. x86-64 with AVX2 and FMA only; elsewhere the entry points are empty,
-// matvec_available() says 0, and the Python side runs the layers' own code.
+// vector_kernels_available() says 0, and the Python side runs the layers' own code.
 
 #include <algorithm>
 #include <cfloat>
@@ -39,7 +39,7 @@
 #include <omp.h>
 #endif
 
-#include "matvec.h"
+#include "kernels.h"
 #include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -253,7 +253,7 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
 //
 // A tile of rows of x against rows of W reads a vector of each for every few multiply-adds, and
 // a prompt is bound by loads: 0.6-0.75x torch's sgemm with AVX2's eight lanes, 0.61-0.85x with
-// AVX-512's sixteen. Held in panels of sixteen outputs, input-major (matvec.h), the weights meet
+// AVX-512's sixteen. Held in panels of sixteen outputs, input-major (kernels.h), the weights meet
 // each input of a row broadcast to all lanes: a tile of PANEL_MR rows against PANEL_NP panels
 // does 6 x PANEL_NP sixteen-lane multiply-adds per PANEL_NP loads of weights, as BLAS kernels
 // do; a decoding step streams a few panels in order. Each output is then summed input after
@@ -357,7 +357,7 @@ void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64
 
 // --- Integer weights -----------------------------------------------------------------------------
 //
-// Rows come in sets of eight, interleaved (matvec.h): a tile takes NZ pairs of sets side by
+// Rows come in sets of eight, interleaved (kernels.h): a tile takes NZ pairs of sets side by
 // side, sixteen rows each (a set alone where the count is odd), one int32 lane per row, so
 // there are no sums across lanes.
 
@@ -383,83 +383,108 @@ inline void prefetch_ahead(const void* at, int64_t bytes, const void* end) {
     for (int64_t line = 0; line < bytes && p + line < static_cast<const char*>(end); line += 64) prefetch(p + line);
 }
 
-// int8 weights with a scale per row and block of 32 inputs: outputs (m0 .. m0 + MR - 1) of the sets of pairs.
-template <int MR, int NZ, typename Y>
-void int8_tile(const Activations& a, const int8_t* codes, const void* scales, bool scales_bf16, Y* y, int64_t n,
-               int64_t k, int64_t m0, const SetPairs<NZ>& pairs, bool prefetch_next) {
-    const int64_t blocks = k / BLOCK, set_bytes = blocks * 256;
-    const int8_t* end = codes + n / 8 * set_bytes;
+// The two formats of integer weights, as integer_tile reads them. Per set of eight rows and block
+// of 32 inputs, RUNS runs of 32 bytes (kernels.h): a run is loaded once (load), meets each row of
+// x's activations for its inputs (inputs, dot), and a block's exact sums then get the weights'
+// scales, the same for every row of x (scales_of), in float32 (add; simd.h says in which order).
+// Each step is inline: the tile's code is the one loop, with the format's steps in it.
+
+// int8, a scale per row and block: a run holds inputs 4c .. 4c + 3 of each of the sixteen rows.
+struct Int8Format {
+    static constexpr int RUNS = 8;
+    using Run = Int8Run;
+    using Inputs = int32_t;  // four activations
+    struct Scales {
+        Floats16 s;
+    };
+    const void* scales;
+    bool bf16;
+    int64_t blocks;
+
+    static Ints16 start(int32_t activation_sum) { return int8_block_start(activation_sum); }
+    static Run load(Ints16 w) { return int8_run(w); }
+    static Inputs inputs(const int8_t* x, int c) { return four_bytes(x + 4 * c); }
+    static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return int8_dot(acc, w, x); }
+    Scales scales_of(int64_t first, int64_t second, int64_t b) const {
+        return {set_pair_scales(scales, bf16, first, second, blocks, b)};
+    }
+    static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t) { return int8_block(acc, isum, s.s, d); }
+};
+
+// int4, a scale and a zero per row and group of `group` inputs: run c holds inputs 8c .. 8c + 3
+// in its low nibbles, 8c + 4 .. 8c + 7 in its high.
+struct Int4Format {
+    static constexpr int RUNS = 4;
+    struct Run {
+        Codes16 low, high;
+    };
+    struct Inputs {
+        int32_t low, high;  // four activations each
+    };
+    struct Scales {
+        Floats16 s, zero_offsets;
+    };
+    const void* scales;
+    const void* zeros;
+    bool bf16;
+    int64_t groups, per_group;  // blocks per group
+
+    static Ints16 start(int32_t) { return Ints16::all(0); }
+    static Run load(Ints16 w) {
+        Run run;
+        nibbles(w, run.low, run.high);
+        return run;
+    }
+    static Inputs inputs(const int8_t* x, int c) { return {four_bytes(x + 8 * c), four_bytes(x + 8 * c + 4)}; }
+    static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return u4_dot(u4_dot(acc, w.low, x.low), w.high, x.high); }
+    Scales scales_of(int64_t first, int64_t second, int64_t b) const {
+        const int64_t g = b / per_group;
+        const Floats16 s = set_pair_scales(scales, bf16, first, second, groups, g);
+        return {s, int4_zero_offsets(s, set_pair_scales(zeros, bf16, first, second, groups, g))};
+    }
+    static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t activation_sum) {
+        return int4_block(acc, isum, s.s, s.zero_offsets, d, activation_sum);
+    }
+};
+
+// Outputs (m0 .. m0 + MR - 1) of the sets of pairs, for weights in format F.
+template <int MR, int NZ, typename F, typename Y>
+void integer_tile(const Activations& a, const F& format, const void* codes, Y* y, int64_t n, int64_t k, int64_t m0,
+                  const SetPairs<NZ>& pairs, bool prefetch_next) {
+    constexpr int64_t BLOCK_BYTES = F::RUNS * 32;
+    const int64_t blocks = k / BLOCK, set_bytes = blocks * BLOCK_BYTES;
+    const char* w = static_cast<const char*>(codes);
+    const char* end = w + n / 8 * set_bytes;
     Floats16 acc[MR][NZ];
     for (int r = 0; r < MR; r++)
         for (int z = 0; z < NZ; z++) acc[r][z] = Floats16::zero();
     for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = b * 256;
+        const int64_t at = b * BLOCK_BYTES;
         if (prefetch_next)
             for (int z = 0; z < NZ; z++) {
-                prefetch_ahead(codes + pairs.first[z] * set_bytes + at, 256, end);
-                prefetch_ahead(codes + pairs.second[z] * set_bytes + at, 256, end);
+                prefetch_ahead(w + pairs.first[z] * set_bytes + at, BLOCK_BYTES, end);
+                prefetch_ahead(w + pairs.second[z] * set_bytes + at, BLOCK_BYTES, end);
             }
         Ints16 isum[MR][NZ];
         for (int r = 0; r < MR; r++) {
-            const Ints16 start = int8_block_start(a.sums[(m0 + r) * blocks + b]);
+            const Ints16 start = F::start(a.sums[(m0 + r) * blocks + b]);
             for (int z = 0; z < NZ; z++) isum[r][z] = start;
         }
-        for (int c = 0; c < 8; c++) {
-            Int8Run w[NZ];
+        for (int c = 0; c < F::RUNS; c++) {
+            typename F::Run run[NZ];
             for (int z = 0; z < NZ; z++)
-                w[z] = int8_run(Ints16::load(codes + pairs.first[z] * set_bytes + at + 32 * c,
-                                             codes + pairs.second[z] * set_bytes + at + 32 * c));
+                run[z] = F::load(Ints16::load(w + pairs.first[z] * set_bytes + at + 32 * c,
+                                              w + pairs.second[z] * set_bytes + at + 32 * c));
             for (int r = 0; r < MR; r++) {
-                const int32_t x4 = four_bytes(a.codes + (m0 + r) * k + b * BLOCK + 4 * c);
-                for (int z = 0; z < NZ; z++) isum[r][z] = int8_dot(isum[r][z], w[z], x4);
+                const typename F::Inputs x = F::inputs(a.codes + (m0 + r) * k + b * BLOCK, c);
+                for (int z = 0; z < NZ; z++) isum[r][z] = F::dot(isum[r][z], run[z], x);
             }
         }
         for (int z = 0; z < NZ; z++) {
-            const Floats16 s = set_pair_scales(scales, scales_bf16, pairs.first[z], pairs.second[z], blocks, b);
-            for (int r = 0; r < MR; r++) acc[r][z] = int8_block(acc[r][z], isum[r][z], s, a.scales[(m0 + r) * blocks + b]);
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        for (int z = 0; z < NZ; z++) store16(y + (m0 + r) * n, pairs.first[z], pairs.second[z], acc[r][z]);
-}
-
-// int4 weights in groups of `group` inputs, a scale and a zero each: as int8_tile.
-template <int MR, int NZ, typename Y>
-void int4_tile(const Activations& a, const uint8_t* codes, const void* scales, const void* zeros, bool scales_bf16,
-               Y* y, int64_t n, int64_t k, int64_t group, int64_t m0, const SetPairs<NZ>& pairs, bool prefetch_next) {
-    const int64_t blocks = k / BLOCK, groups = k / group, per_group = group / BLOCK, set_bytes = blocks * 128;
-    const uint8_t* end = codes + n / 8 * set_bytes;
-    Floats16 acc[MR][NZ];
-    for (int r = 0; r < MR; r++)
-        for (int z = 0; z < NZ; z++) acc[r][z] = Floats16::zero();
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t at = b * 128;
-        if (prefetch_next)
-            for (int z = 0; z < NZ; z++) {
-                prefetch_ahead(codes + pairs.first[z] * set_bytes + at, 128, end);
-                prefetch_ahead(codes + pairs.second[z] * set_bytes + at, 128, end);
-            }
-        Ints16 isum[MR][NZ];
-        for (int r = 0; r < MR; r++)
-            for (int z = 0; z < NZ; z++) isum[r][z] = Ints16::all(0);
-        for (int c = 0; c < 4; c++) {  // run c: inputs 8c..8c+3 in the low nibbles, 8c+4..8c+7 in the high
-            Codes16 low[NZ], high[NZ];
-            for (int z = 0; z < NZ; z++)
-                nibbles(Ints16::load(codes + pairs.first[z] * set_bytes + at + 32 * c,
-                                     codes + pairs.second[z] * set_bytes + at + 32 * c), low[z], high[z]);
-            for (int r = 0; r < MR; r++) {
-                const int8_t* x = a.codes + (m0 + r) * k + b * BLOCK + 8 * c;
-                const int32_t x_low = four_bytes(x), x_high = four_bytes(x + 4);
-                for (int z = 0; z < NZ; z++) isum[r][z] = u4_dot(u4_dot(isum[r][z], low[z], x_low), high[z], x_high);
-            }
-        }
-        for (int z = 0; z < NZ; z++) {
-            const int64_t g = b / per_group;
-            const Floats16 s = set_pair_scales(scales, scales_bf16, pairs.first[z], pairs.second[z], groups, g);
-            const Floats16 offsets = int4_zero_offsets(s, set_pair_scales(zeros, scales_bf16, pairs.first[z], pairs.second[z], groups, g));
+            const typename F::Scales s = format.scales_of(pairs.first[z], pairs.second[z], b);
             for (int r = 0; r < MR; r++) {
                 const int64_t ab = (m0 + r) * blocks + b;
-                acc[r][z] = int4_block(acc[r][z], isum[r][z], s, offsets, a.scales[ab], a.sums[ab]);
+                acc[r][z] = F::add(acc[r][z], isum[r][z], s, a.scales[ab], a.sums[ab]);
             }
         }
     }
@@ -496,9 +521,22 @@ template <typename Tile> void over_sets(int64_t rows, int64_t n, int threads, co
     }, 2 * INT_NZ);
 }
 
+// y = x W^T for integer weights in format F, y float32 or bfloat16 (y_bf16).
+template <typename F>
+void integer_linear(const Activations& a, const F& format, const void* codes, void* y, int64_t rows, int64_t n,
+                    int64_t k, int y_bf16, int threads) {
+    const auto run = [&]<typename Y>(Y* yt) {
+        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
+            integer_tile<R, NZ>(a, format, codes, yt, n, k, m, pairs, first);
+        });
+    };
+    if (y_bf16) run(static_cast<uint16_t*>(y));
+    else run(static_cast<float*>(y));
+}
+
 }  // namespace
 
-extern "C" int matvec_available() { return 1; }
+extern "C" int vector_kernels_available() { return 1; }
 
 extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
                              int w_bf16, int threads) {
@@ -559,32 +597,19 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
 extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* codes,
                             const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_bf16,
                             int y_bf16, int threads) {
-    const Activations a{xq, xd, xsum};
-    const auto run = [&]<typename Y>(Y* yt) {
-        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
-            int8_tile<R, NZ>(a, codes, scales, scales_bf16, yt, n, k, m, pairs, first);
-        });
-    };
-    if (y_bf16) run(static_cast<uint16_t*>(y));
-    else run(static_cast<float*>(y));
+    integer_linear({xq, xd, xsum}, Int8Format{scales, scales_bf16 != 0, k / BLOCK}, codes, y, rows, n, k, y_bf16, threads);
 }
 
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
                             const void* scales, const void* zeros, void* y, int64_t rows, int64_t n, int64_t k,
                             int64_t group, int scales_bf16, int y_bf16, int threads) {
-    const Activations a{xq, xd, xsum};
-    const auto run = [&]<typename Y>(Y* yt) {
-        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
-            int4_tile<R, NZ>(a, codes, scales, zeros, scales_bf16, yt, n, k, group, m, pairs, first);
-        });
-    };
-    if (y_bf16) run(static_cast<uint16_t*>(y));
-    else run(static_cast<float*>(y));
+    integer_linear({xq, xd, xsum}, Int4Format{scales, zeros, scales_bf16 != 0, k / group, group / BLOCK}, codes, y, rows,
+                   n, k, y_bf16, threads);
 }
 
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.
 
-extern "C" int matvec_available() { return 0; }
+extern "C" int vector_kernels_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_panels(const void*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}

@@ -1,6 +1,8 @@
-// The C ABI between the CPU kernels (matvec.cpp: linear layers; attention.cpp: attention
-// over a KV cache; plain C++ without torch) and the torch operators that call them
-// (matvec_op.cpp). Included by both, so the compiler checks that the two sides agree.
+// The C ABI of the CPU kernels but the norm's (rms_norm.h): every entry point of the plain C++
+// kernels, without torch (linear.cpp: linear layers; attention.cpp: attention over a KV cache;
+// swiglu.cpp: SwiGLU's gate; rope.cpp: RoPE for training), for the torch operators that call
+// them (linear_op.cpp, attention_op.cpp, swiglu_op.cpp, rope_op.cpp). Included by both sides,
+// so the compiler checks that they agree.
 //
 // Every linear kernel computes y (rows, n) = x (rows, k) W^T for any number of rows of x, in
 // float32 arithmetic; x and y are float32 (x_bf16 / y_bf16: bfloat16 bits instead), scales
@@ -10,7 +12,7 @@
 
 // Whether this build has the vector kernels (x86-64 with AVX2 and FMA); without them every
 // entry point below does nothing and the Python side keeps the layers' own code.
-extern "C" int matvec_available();
+extern "C" int vector_kernels_available();
 
 // W dense: float32 or bfloat16 (w_bf16); y in x's dtype.
 extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
@@ -18,7 +20,7 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
 
 // W float32 held in panels of sixteen outputs, input-major: panels (n / 16, k, 16), panel p's
 // input j of output q at panels[p][j][q] = W[16p + q, j]; y in x's dtype. Each output summed
-// input after input, from zero (matvec.cpp).
+// input after input, from zero (linear.cpp).
 extern "C" void linear_panels(const void* x, const float* panels, void* y, int64_t rows, int64_t n, int64_t k,
                               int x_bf16, int threads);
 
@@ -60,13 +62,13 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
                           int64_t cache_head_stride, int bf16, int threads);
 
 // SwiGLU's gate: out = silu(a) * b for n elements, float32 or bfloat16 (bf16), each element
-// computed alike wherever it sits (swiglu.cpp).
+// computed alike wherever it sits.
 extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int bf16, int threads);
 // Its gradients: da, db from dout (each of n elements, a's dtype).
 extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int bf16,
                                 int threads);
 
-// RoPE as model.py's apply_rotary_emb computes it (rope.cpp), for training: x (rows, head_dim),
+// RoPE as model.py's apply_rotary_emb computes it, for training: x (rows, head_dim),
 // row r at position (r / heads) % positions of cos and sin (positions, head_dim, float32);
 // out[j] = x[j] cos[j] + x[j ^ 1] sin[j], or with backward, x being the output's gradient, the
 // input's: x[j] cos[j] + x[j ^ 1] sin[j ^ 1]. float32 or bfloat16 (bf16); head_dim % 8 == 0.

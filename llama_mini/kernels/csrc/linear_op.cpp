@@ -1,0 +1,143 @@
+// The torch operators llama_mini::linear_dense, linear_int8 and linear_int4 over the kernels of
+// linear.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
+// tells the Python side whether this build has the vector kernels at all. Inference only (no
+// autograd): the Python side calls them without gradients and runs the layers' own code otherwise.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "kernels.h"
+#include "ops.h"
+
+namespace llama_mini {
+
+namespace {
+
+int threads_for(int64_t rows, int64_t n, int64_t k) { return threads_for_work(rows * n * k); }
+
+// The rows of x (..., k): the product of its leading sizes (not numel / k, which divides by
+// zero for a layer without inputs).
+int64_t rows_of(const at::Tensor& x) {
+    int64_t rows = 1;
+    for (int64_t d = 0; d + 1 < x.dim(); d++) rows *= x.size(d);
+    return rows;
+}
+
+// Checks x (..., k) against the weight's k, and allocates y (..., n) in x's dtype.
+at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
+    TORCH_CHECK(vector_kernels_available(), "llama_mini::linear: this build has no vector kernels (it needs AVX2 and FMA)");
+    TORCH_CHECK(x.device().is_cpu(), "llama_mini::linear: CPU tensors only");
+    TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "llama_mini::linear: input of shape ", x.sizes(),
+                " for a weight with ", k, " inputs");
+    check_float(x, "the input");
+    std::vector<int64_t> sizes = x.sizes().vec();
+    sizes.back() = n;
+    return at::empty(sizes, x.options());
+}
+
+// x rounded to int8 in blocks of 32 (quantize_activations), in per-thread buffers.
+struct Activations {
+    std::vector<int8_t> codes;
+    std::vector<float> scales;
+    std::vector<int32_t> sums;
+};
+
+const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k) {
+    TORCH_CHECK(k % 32 == 0, "llama_mini::linear: integer weights need a multiple of 32 inputs, not ", k);
+    thread_local Activations a;
+    a.codes.resize(rows * k), a.scales.resize(rows * k / 32), a.sums.resize(rows * k / 32);
+    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k,
+                         threads_for_work(8 * rows * k));  // a few operations per input
+    return a;
+}
+
+// An integer kernel's call: y (..., n) for x, and x's rows rounded to int8.
+struct IntegerCall {
+    at::Tensor y;
+    int64_t rows;
+    const Activations& x;
+};
+
+IntegerCall integer_call(const at::Tensor& x, const at::Tensor& scales, int64_t n, int64_t k) {
+    check_float(scales, "the scales");
+    at::Tensor y = output_for(x, n, k);
+    const at::Tensor xc = x.contiguous();
+    const int64_t rows = rows_of(xc);
+    return {y, rows, quantized(xc, rows, k)};
+}
+
+// A float32 weight held in panels (n / 16, k, 16) (kernels.h's linear_panels).
+at::Tensor panels_op(const at::Tensor& x, const at::Tensor& panels) {
+    TORCH_CHECK(panels.is_contiguous() && panels.size(2) == 16 && panels.scalar_type() == at::kFloat,
+                "llama_mini::linear_dense: panels (outputs / 16, inputs, 16), contiguous float32");
+    const int64_t n = panels.size(0) * 16, k = panels.size(1);
+    at::Tensor y = output_for(x, n, k);
+    const at::Tensor xc = x.contiguous();
+    const int64_t rows = rows_of(xc);
+    ::linear_panels(xc.const_data_ptr(), panels.const_data_ptr<float>(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
+                    threads_for(rows, n, k));
+    return y;
+}
+
+}  // namespace
+
+at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
+    if (weight.dim() == 3) return panels_op(x, weight);
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::linear_dense: a contiguous 2-D weight, or 3-D panels");
+    check_float(weight, "the weight");
+    const int64_t n = weight.size(0), k = weight.size(1);
+    at::Tensor y = output_for(x, n, k);
+    const at::Tensor xc = x.contiguous();
+    const int64_t rows = rows_of(xc);
+    ::linear_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
+                   is_bf16(weight), threads_for(rows, n, k));
+    return y;
+}
+
+at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales) {
+    TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && weight.scalar_type() == at::kChar && weight.size(1) % 256 == 0,
+                "llama_mini::linear_int8: a contiguous int8 weight (rows / 8, 8 * inputs), inputs a multiple of 32");
+    const int64_t n = weight.size(0) * 8, k = weight.size(1) / 8;
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == weight.size(0) && scales.size(1) == k / 32 * 8 && scales.is_contiguous(),
+                "llama_mini::linear_int8: scales (rows / 8, inputs / 32 * 8), one per row and block of 32 inputs");
+    const IntegerCall call = integer_call(x, scales, n, k);
+    ::linear_int8(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), weight.const_data_ptr<int8_t>(),
+                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, is_bf16(scales), is_bf16(call.y),
+                  threads_for(call.rows, n, k));
+    return call.y;
+}
+
+at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
+                "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
+    const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
+    const int64_t width = scales.dim() == 2 ? scales.size(1) : 0;  // groups * 8
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && (k == 0 || width >= 8) && width % 8 == 0 &&
+                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == zeros.sizes() &&
+                    scales.is_contiguous() && zeros.is_contiguous() && scales.scalar_type() == zeros.scalar_type(),
+                "llama_mini::linear_int4: scales and zeros (rows / 8, groups * 8), groups a multiple of 32 inputs");
+    const IntegerCall call = integer_call(x, scales, n, k);
+    ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
+                  scales.const_data_ptr(), zeros.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
+                  k == 0 ? 32 : k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
+    return call.y;
+}
+
+bool available() { return vector_kernels_available() != 0; }
+
+}  // namespace llama_mini
+
+TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
+    m.def("matvec_available() -> bool", &llama_mini::available);
+    m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
+    m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
+    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
+    m.impl("linear_dense", llama_mini::dense_op);
+    m.impl("linear_int8", llama_mini::int8_op);
+    m.impl("linear_int4", llama_mini::int4_op);
+}
