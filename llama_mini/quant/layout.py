@@ -1,6 +1,6 @@
 """How int8 and int4 weights are laid out, in memory and in a quantized checkpoint alike.
 
-Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/matvec.h) feeds
+Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/kernels.h) feeds
 eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble

@@ -6,6 +6,11 @@
 // about as much again. Here the same operators run in the same order from C++: the result is
 // the block's on the kernels, bit for bit, without the interpreter between them. SwiGLU's gate
 // is the kernels' own (swiglu.cpp), which computes every element alike wherever it sits.
+//
+// It mirrors these functions of model.py: TransformerBlock.forward, RMSNorm.forward and _norm,
+// Attention.forward and rotate, apply_rotary_emb, KVCache.__init__ and update, FeedForward.forward
+// and gate (KernelBlock.computes in block.py). Where one of them is edited, fingerprints.py finds it
+// and the block runs model.py's code instead: change one, and this file with it, then record it.
 
 #include <ATen/core/List.h>
 #include <ATen/ops/add.h>
