@@ -70,16 +70,9 @@ def sample(logits, temperature: float, top_p: float = 1.0, top_k: Optional[int] 
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def generate(
-    model: Transformer,
-    prompt_tokens: list[list[int]],
-    max_new_tokens: int,
-    temperature: float = TEMPERATURE,
-    top_p: float = TOP_P,
-    top_k: Optional[int] = None,
-    eos_id: Union[int, Iterable[int], None] = None,
-    seed: Optional[int] = None,
-) -> list[list[int]]:
+def generate(model: Transformer, prompt_tokens: list[list[int]], max_new_tokens: int, temperature: float = TEMPERATURE,
+             top_p: float = TOP_P, top_k: Optional[int] = None, eos_id: Union[int, Iterable[int], None] = None,
+             seed: Optional[int] = None) -> list[list[int]]:
     """Continue each prompt; returns only the new tokens of each row, cut before its EOS.
 
     temperature 0 is greedy; top_p and top_k filter as Meta's and llama.cpp's samplers do (top_k

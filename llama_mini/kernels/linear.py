@@ -86,6 +86,10 @@ def holds_panels(linear, shared: set) -> bool:
             and linear.out_features % PANEL == 0 and id(weight) not in shared)
 
 
+# What an integer layer computes (quant/layers.py): its activations rounded, then the product.
+DEFINITION = ("quant.layers:quantized_linear", "quant.layers:quantized_activations", "quant.layers:float32_linear")
+
+
 class IntegerKernel:
     """An integer layer on its kernel (kernel(ops, x)), where the operands allow; its own
     function otherwise. The same function either way, autocast or not."""
@@ -99,9 +103,7 @@ class KernelInt8Linear(IntegerKernel, Int8Linear):
     """Int8Linear on the integer kernel (rows held in sets of eight)."""
 
     layer = "int8 kernel"
-    computes = ("quant.layers:Int8Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
-                "quant.layers:float32_linear", "quant.layers:Int8Linear.dequantize", "quant.layers:Int8Linear.codes",
-                "quant.layers:Int8Linear.block_scales")
+    computes = DEFINITION + tuple(f"quant.layers:Int8Linear.{name}" for name in ("forward", "dequantize", "codes", "block_scales"))
 
     def kernel(self, ops, x):
         return ops.linear_int8(x, self.weight, self.scales)
@@ -111,9 +113,8 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
     """Int4Linear on the integer kernel."""
 
     layer = "int4 kernel"
-    computes = ("quant.layers:Int4Linear.forward", "quant.layers:quantized_linear", "quant.layers:quantized_activations",
-                "quant.layers:float32_linear", "quant.layers:Int4Linear.dequantize", "quant.layers:Int4Linear.codes",
-                "quant.layers:Int4Linear.group_scales_and_zeros")
+    computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("forward", "dequantize", "codes",
+                                                                                  "group_scales_and_zeros"))
 
     def kernel(self, ops, x):
         return ops.linear_int4(x, self.weight, self.scales, self.zeros)
