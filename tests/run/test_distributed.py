@@ -1,5 +1,6 @@
 """torchrun: two CPU processes (gloo) train exactly what one process trains with the same global batch."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -30,8 +31,10 @@ def setup(tmp_path_factory):
 
 
 def launch(cmd, args) -> Path:
-    proc = subprocess.run([*map(str, cmd), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # PYTHONFAULTHANDLER: a process that aborts in C++ prints where each of its threads was.
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run([*map(str, cmd), *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-2000:]}\n--- stderr\n{proc.stderr[-6000:]}"
     return Path(args[args.index("--out") + 1])
 
 
