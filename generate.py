@@ -4,8 +4,9 @@
     python generate.py --ckpt Llama-3.2-1B-Instruct --chat --system "Answer in one sentence."
 
 Text is printed token by token as it is generated, until the tokenizer's stop ids (Llama-3
-ends a chat turn with <|eot_id|>) or --max-new-tokens. --chat reads one user turn per line
-from stdin, in the model family's chat format (llama_mini/inference/chat.py).
+ends a chat turn with <|eot_id|>) or --max-new-tokens, then a line on stderr with the speed of
+the prompt and of the answer. --chat reads one user turn per line from stdin, in the model
+family's chat format (llama_mini/inference/chat.py). --draft decodes speculatively.
 """
 
 import argparse
@@ -13,8 +14,8 @@ import sys
 
 from llama_mini.support.cli import check_context, check_number, flag, run_main, utf8_text
 from llama_mini.inference.chat import MAX_PROMPT_BYTES, chat, complete, nth_seed
-from llama_mini.inference.loading import add_model_arguments, load_model, open_checkpoint
-from llama_mini.generation import TEMPERATURE, TOP_P, check_sampling_args
+from llama_mini.inference.loading import add_model_arguments, load_model, open_checkpoint, open_draft
+from llama_mini.generation import LOOKAHEAD, MAX_LOOKAHEAD, TEMPERATURE, TOP_P, check_sampling_args
 from llama_mini.support.memory import check_free_memory, kv_cache_bytes
 
 
@@ -33,10 +34,15 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
+    p.add_argument("--draft", help="speculative decoding: a smaller checkpoint of the same tokenizer proposes tokens that "
+                                   "the model checks several at a time, or ngram: tokens copied from the text so far "
+                                   "(prompt lookup); the same text, sooner")
+    p.add_argument("--lookahead", type=int, default=LOOKAHEAD, help=f"tokens the draft proposes at a time (1-{MAX_LOOKAHEAD})")
     args = p.parse_args(argv)
     check_sampling_args(args.temperature, args.top_p, args.top_k, args.seed, name=flag)
     check_number("--max-new-tokens", args.max_new_tokens, 1)
     check_number("--num-samples", args.num_samples, 1)
+    check_number("--lookahead", args.lookahead, 1, MAX_LOOKAHEAD)
     check_context("--max-seq-len", args.max_seq_len)
     for name in ("prompt", "system"):
         if getattr(args, name) is not None:
@@ -72,12 +78,15 @@ def main(argv=None) -> None:
             tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": "Hi"}])
         except ValueError as e:
             raise ValueError(f"--system: {e}") from None
+    draft = open_draft(args, ckpt, tokenizer)  # checked before any weight is read
     model = load_model(args, ckpt, fmt, tokenizer, args.max_seq_len)
+    if isinstance(draft, tuple):
+        draft = load_model(args, *draft, tokenizer, args.max_seq_len)
     device = model.tok_embeddings.weight.device
 
     if args.chat:
         check_cache_fits(model, model.args.max_seq_len, device)
-        return chat(model, tokenizer, args)
+        return chat(model, tokenizer, args, draft)
     if args.system is not None:
         prompt_ids = tokenizer.encode_dialog([{"role": "system", "content": args.system}, {"role": "user", "content": text}])
     else:
@@ -86,7 +95,7 @@ def main(argv=None) -> None:
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1}/{args.num_samples}", flush=True)
-        complete(model, tokenizer, prompt_ids, args, nth_seed(args, i), echo=text if args.system is None else "")
+        complete(model, tokenizer, prompt_ids, args, nth_seed(args, i), echo=text if args.system is None else "", draft=draft)
 
 
 if __name__ == "__main__":

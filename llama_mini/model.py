@@ -84,6 +84,18 @@ class ModelArgs:
     def ffn_dim(self) -> int:
         return self.hidden_dim or ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
+    @property
+    def block_weights(self) -> int:
+        """The weights of one block's matrices: attention's wq and wo (n_heads heads each), wk
+        and wv (n_kv_heads), and SwiGLU's w1, w2 and w3."""
+        return self.dim * self.head_dim * (2 * self.n_heads + 2 * self.n_kv_heads) + 3 * self.dim * self.ffn_dim
+
+    @property
+    def n_parameters(self) -> int:
+        """The parameters of Transformer(self) with RMSNorm, counted from the shape alone."""
+        embeddings = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (self.block_weights + 2 * self.dim) + embeddings + self.dim
+
 
 def check_fits_context(args: ModelArgs, positions: int, what: str = "a sequence of {positions} tokens",
                        fix: str = "pass at most {context} tokens (or give the model a larger max_seq_len)") -> int:

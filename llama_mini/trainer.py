@@ -69,18 +69,11 @@ def configure_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: tor
     return torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
 
 
-def layer_matrix_weights(args: ModelArgs) -> int:
-    """The weights of one Transformer block's matrices, from its shape alone: attention's
-    wq, wo (n_heads heads each) and wk, wv (n_kv_heads), and the SwiGLU's w1, w2, w3."""
-    attention = args.dim * args.head_dim * (2 * args.n_heads + 2 * args.n_kv_heads)
-    return attention + 3 * args.dim * args.ffn_dim
-
-
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:
     """Training FLOPs per token (forward + backward), PaLM's estimate as in nanoGPT: 6 per
     weight that multiplies (the embedding lookup does not), plus attention's scores and
     mixing, 12 * n_layers * dim * seq_len."""
-    matmul_weights = args.n_layers * layer_matrix_weights(args) + args.dim * args.vocab_size
+    matmul_weights = args.n_layers * args.block_weights + args.dim * args.vocab_size
     return 6 * matmul_weights + 12 * args.n_layers * args.dim * seq_len
 
 

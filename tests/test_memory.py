@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llama_mini import ModelArgs, Transformer
-from llama_mini.support.memory import check_free_memory, kv_cache_bytes, shape_parameters, shown
+from llama_mini.support.memory import check_free_memory, kv_cache_bytes, shown
 
 SHAPES = [
     dict(dim=32, n_layers=1, n_heads=2, vocab_size=400, tie_embeddings=True),
@@ -17,7 +17,7 @@ SHAPES = [
 @pytest.mark.parametrize("shape", SHAPES)
 def test_the_parameter_count_from_the_shape_is_the_models(shape):
     args = ModelArgs(**shape)
-    assert shape_parameters(args) == sum(p.numel() for p in Transformer(args).parameters())
+    assert args.n_parameters == sum(p.numel() for p in Transformer(args).parameters())
 
 
 @pytest.mark.parametrize("shape", SHAPES)

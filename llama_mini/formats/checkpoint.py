@@ -18,15 +18,15 @@ the size of its dequantized weights). Nothing a file says is trusted before it i
 
 from pathlib import Path
 
-from ..model import Transformer
+from ..model import ModelArgs, Transformer
 from .. import quant
 from ..support.files import atomic_write, is_gguf
 from ..tokenizers import copy_tokenizer
 from . import llama2c
 from .reading import is_torch_file
-from .hf import MAX_SHARD_BYTES, hf_config_from_args, read_hf, write_hf
-from .meta import is_meta, read_meta, write_meta
-from .native import CONFIG, TOKENIZER, is_native, read_latest, read_native, write_native
+from .hf import MAX_SHARD_BYTES, hf_args, hf_config_from_args, read_hf, write_hf
+from .meta import is_meta, meta_args, read_meta, write_meta
+from .native import CONFIG, TOKENIZER, is_native, native_args, read_latest, read_native, write_native
 from .state_dict import build_model, tie_equal_heads
 
 FORMATS = ("native", "meta", "hf")  # the formats save_checkpoint writes
@@ -94,6 +94,24 @@ def checkpoint_tokenizer(path, tokenizer_path=None) -> Path:
             f"no tokenizer for {path}: neither it nor its parent holds {', '.join(TOKENIZER_NAMES)}; pass --tokenizer PATH"
         )
     return Path(found)
+
+
+def read_args(path, tokenizer_path=None) -> ModelArgs:
+    """The ModelArgs of a checkpoint of any format, from its config, params or header alone:
+    what can be checked about a model before any of its weights is read."""
+    path = resolve_run_folder(path)
+    fmt = detect_format(path)
+    if fmt == "native":
+        return native_args(path)[0]
+    if fmt == "meta":
+        return meta_args(path, lambda: _vocab_size(checkpoint_tokenizer(path, tokenizer_path)))
+    if fmt == "hf":
+        return hf_args(path)
+    if fmt == "gguf":
+        from .gguf import gguf_args
+
+        return gguf_args(path)
+    return llama2c.bin_args(path) if fmt == "llama2c-bin" else llama2c.read_pt(path)[0]  # a .pt's tensors stay mapped
 
 
 def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None) -> Transformer:

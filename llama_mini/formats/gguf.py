@@ -210,6 +210,21 @@ def read_gguf(path: Path, dtype=None):
     to dtype (default float32, which holds every dequantized value exactly).
     """
     file = GGUFFile(path)
+    args, names = _gguf_args(file, path)
+    state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
+    if args.tie_embeddings:
+        state["output.weight"] = state["tok_embeddings.weight"]
+    return args, state
+
+
+def gguf_args(path: Path) -> ModelArgs:
+    """The ModelArgs of a GGUF file, from its metadata and tensor list (and the small rope_freqs)."""
+    return _gguf_args(GGUFFile(path), path)[0]
+
+
+def _gguf_args(file: GGUFFile, path: Path):
+    """(ModelArgs, our tensor names to the file's) of an open GGUF file, its names and shapes
+    checked against its metadata."""
     names = {}
     for name in file.tensors:
         if name != ROPE_FREQS:
@@ -225,10 +240,7 @@ def read_gguf(path: Path, dtype=None):
     if ROPE_FREQS in file.tensors:
         args = rope_scaling_from_factors(file.tensor(ROPE_FREQS), args, file.fields, path)
     check_fits_config(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
-    state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
-    if tied:
-        state["output.weight"] = state["tok_embeddings.weight"]
-    return args, state
+    return args, names
 
 
 def write_vocabulary(writer, tokenizer_path, vocab_size: int) -> None:

@@ -81,8 +81,8 @@ def _from_hf_rows(state: dict, args: ModelArgs) -> dict:
 # --- Reading and writing a folder ----------------------------------------------------------
 
 
-def read_hf(path: Path):
-    """(ModelArgs, state dict in our names) of a Hugging Face Llama folder."""
+def hf_args(path: Path) -> ModelArgs:
+    """The ModelArgs of a Hugging Face Llama folder, from its config.json alone."""
     config = read_json(path / CONFIG)
     if config.get("model_type") != "llama":
         raise ValueError(f"{path / CONFIG} describes a {brief(config.get('model_type'))} model; only Llama (model_type 'llama') is supported")
@@ -92,6 +92,12 @@ def read_hf(path: Path):
     except KeyError as e:
         raise ValueError(f"{path / CONFIG} lacks the field {e}") from None
     check_fields(dataclasses.asdict(args), typing.get_type_hints(ModelArgs), path / CONFIG)
+    return args
+
+
+def read_hf(path: Path):
+    """(ModelArgs, state dict in our names) of a Hugging Face Llama folder."""
+    args = hf_args(path)
     state = {}
     for file in _weight_files(path):
         state.update(read_safetensors(file) if file.suffix == ".safetensors" else tensor_dict(torch_load(file), file))

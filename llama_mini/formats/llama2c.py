@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..model import ModelArgs
 from .config_check import check_fields, model_args
 from .reading import tensor_dict, torch_load
 from .state_dict import check_fits_config
@@ -51,10 +52,16 @@ def is_bin(file: Path) -> bool:
     return sizes_positive and dim % n_heads == 0 and n_heads % n_kv_heads == 0
 
 
+def bin_args(file: Path) -> ModelArgs:
+    """The ModelArgs of a llama2.c .bin, from its header alone."""
+    _, header, shared, _, _ = _read_header(file)
+    return model_args({**header, "tie_embeddings": shared}, file)
+
+
 def read_bin(file: Path):
     """(ModelArgs, state dict) of a llama2.c .bin, checked. fp32 weights stay memory-mapped."""
-    version, header, shared, group_size, offset = _read_header(file)
-    args = model_args({**header, "tie_embeddings": shared}, file)
+    version, _, shared, group_size, offset = _read_header(file)
+    args = bin_args(file)
     layout = _layout(args, version, shared)
     # v2 (group_size given) stores each matrix as int8 values and then one fp32 scale per group.
     if group_size and any(_numel(shape) % group_size for _, shape, _ in layout if len(shape) == 2):

@@ -24,15 +24,21 @@ def is_meta(path: Path) -> bool:
     return (path / META_PARAMS).is_file()
 
 
-def read_meta(path: Path, tokenizer_vocab_size):
-    """(ModelArgs, state dict) of Meta's folder, checked. tokenizer_vocab_size() gives the vocabulary size
-    where params.json says -1 (Llama-2's does: the tokenizer decides)."""
+def meta_args(path: Path, tokenizer_vocab_size) -> ModelArgs:
+    """The ModelArgs of Meta's folder, from params.json alone. tokenizer_vocab_size() gives the
+    vocabulary size where params.json says -1 (Llama-2's does: the tokenizer decides)."""
     params = read_json(path / META_PARAMS)
     if params.get("vocab_size", -1) == -1:
         params["vocab_size"] = tokenizer_vocab_size()
     args = model_args(params, path / META_PARAMS)
     if args.use_scaled_rope and "rope_scaling_factor" not in params:  # Llama-3.x's files state no factor
         args.rope_scaling_factor = meta_rope_scaling_factor(params)
+    return args
+
+
+def read_meta(path: Path, tokenizer_vocab_size):
+    """(ModelArgs, state dict) of Meta's folder, checked (tokenizer_vocab_size: see meta_args)."""
+    args = meta_args(path, tokenizer_vocab_size)
     files = sorted(path.glob("consolidated.*.pth"))
     if not files or [f.name for f in files] != [f"consolidated.{i:02d}.pth" for i in range(len(files))]:
         names = ", ".join(f.name for f in files) or "none"

@@ -53,15 +53,20 @@ def is_native(path: Path) -> bool:
     return (path / CONFIG).is_file() and "llama_mini" in read_json(path / CONFIG)
 
 
-def read_native(path: Path):
-    """(ModelArgs, state dict, quantization record or None) of our checkpoint folder, checked."""
+def native_args(path: Path):
+    """(ModelArgs, quantization record or None) of our checkpoint folder, from its config alone."""
     fields = read_json(path / CONFIG)
     check_config(fields, path / CONFIG)  # an older layout is refused before any of it is read
     config = fields["llama_mini"]
     if not isinstance(config, dict):
         raise ValueError(f"{path / CONFIG}: its llama_mini field is not an object of ModelArgs fields")
-    args = model_args(config, path / CONFIG)
     quantization = read_quantization(fields["quantization"], path / CONFIG) if "quantization" in fields else None
+    return model_args(config, path / CONFIG), quantization
+
+
+def read_native(path: Path):
+    """(ModelArgs, state dict, quantization record or None) of our checkpoint folder, checked."""
+    args, quantization = native_args(path)
     state = read_safetensors(path / WEIGHTS, quantized=quantization is not None)
     check_fits_config(args, state, path, quantization=quantization)
     if args.tie_embeddings:

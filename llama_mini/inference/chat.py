@@ -8,6 +8,7 @@ exchanges are left out (the system prompt stays), with a notice, as llama.cpp's 
 
 import itertools
 import sys
+import time
 
 from ..generation import SEED_LIMIT, generate_stream, stream_text
 from ..model import check_fits_context
@@ -25,8 +26,9 @@ def nth_seed(args, i: int):
     return None if args.seed is None else (args.seed + i) % SEED_LIMIT
 
 
-def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt=True) -> str:
-    """Generate after prompt_ids, printing echo and then the new text as it comes; returns the new text.
+def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt=True, draft=None) -> str:
+    """Generate after prompt_ids (speculatively with a draft: a model or "ngram"), printing echo
+    and then the new text as it comes, and a line of speeds on stderr; returns the new text.
 
     A continuation is spaced as the prompt's continuation ("Once upon a" + " time"); a chat
     answer (continues_prompt=False) as text of its own, as Meta's chat_completion decodes it.
@@ -35,22 +37,49 @@ def complete(model, tokenizer, prompt_ids, args, seed, echo="", continues_prompt
     room = check_fits_context(model.args, len(prompt_ids) + 1, f"the prompt of {len(prompt_ids)} tokens + 1 new token",
                               "shorten the prompt (or raise --max-seq-len)")
     max_new = min(args.max_new_tokens, 1 + room)
-    steps = generate_stream(
-        model, [prompt_ids], max_new, args.temperature, args.top_p, args.top_k or None, tokenizer.stop_ids, seed
-    )
+    tally = {}
+    steps = generate_stream(model, [prompt_ids], max_new, args.temperature, args.top_p, args.top_k or None,
+                            tokenizer.stop_ids, seed, draft, args.lookahead, tally)
     print(echo, end="", flush=True)
     pieces = []
     context_id = prompt_ids[-1] if continues_prompt else tokenizer.bos_id
+    clock = Clock()
     # one row: its step is None only at the end, for the stop id that is not part of the text
-    new_ids = (step[0] for step in steps if step[0] is not None)
+    new_ids = (clock.tick(step[0]) for step in steps if step[0] is not None)
     for piece in stream_text(tokenizer, new_ids, context_id=context_id):
         print(piece, end="", flush=True)
         pieces.append(piece)
     print(flush=True)
+    print(clock.report(len(prompt_ids), tally), file=sys.stderr)
     return "".join(pieces)
 
 
-def chat(model, tokenizer, args) -> None:
+class Clock:
+    """When an answer's tokens came: the first ends the prompt's reading, the rest are decoding,
+    reported as llama.cpp reports them (tokens and tokens per second of each)."""
+
+    def __init__(self):
+        self.start, self.times = time.perf_counter(), []
+
+    def tick(self, token):
+        self.times.append(time.perf_counter())
+        return token
+
+    def report(self, prompt_tokens: int, tally: dict) -> str:
+        first = self.times[0] if self.times else time.perf_counter()
+        line = f"prompt {prompt_tokens} tokens, {prompt_tokens / max(first - self.start, 1e-9):,.1f} tokens/s"
+        answer = len(self.times)
+        if answer > 1:
+            line += f"; answer {answer} tokens, {(answer - 1) / max(self.times[-1] - first, 1e-9):,.1f} tokens/s after the first"
+        else:
+            line += f"; answer {answer} token{'' if answer == 1 else 's'}"
+        if tally.get("drafted"):
+            line += (f"; draft: {tally['accepted']} of {tally['drafted']} proposed tokens accepted "
+                     f"({100 * tally['accepted'] / tally['drafted']:.0f}%)")
+        return line
+
+
+def chat(model, tokenizer, args, draft=None) -> None:
     """Multi-turn chat: the whole dialog so far is the prompt of each answer, as much of it as
     the context holds (see shift_context)."""
     system = [{"role": "system", "content": args.system}] if args.system else []
@@ -82,7 +111,7 @@ def chat(model, tokenizer, args) -> None:
             print(f"llama_mini: the conversation outgrew the context of {context} tokens; its {dropped} oldest "
                   f"messages are left out{' (the system prompt is kept)' if system else ''}", file=sys.stderr)
             del turns[:dropped]
-        answer = complete(model, tokenizer, prompt_ids, args, nth_seed(args, turn), continues_prompt=False)
+        answer = complete(model, tokenizer, prompt_ids, args, nth_seed(args, turn), continues_prompt=False, draft=draft)
         turns.append({"role": "assistant", "content": answer})
 
 

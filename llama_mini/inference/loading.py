@@ -7,7 +7,9 @@ import time
 
 from ..support.cli import KERNELS
 from ..support.device import DTYPES, bfloat16_notice, pick_device
-from ..formats.checkpoint import checkpoint_tokenizer, detect_format, load_checkpoint, resolve_run_folder
+from ..formats.checkpoint import (checkpoint_tokenizer, detect_format, find_tokenizer, load_checkpoint, read_args,
+                                  resolve_run_folder)
+from ..generation import NGRAM
 from ..kernels import on_kernels, use_fused_rmsnorm, use_cpu_kernels
 from ..quant import QUANTIZATIONS, hold_plain_rows, parameter_count, quantized_notice
 from ..tokenizers import check_vocab_size, open_tokenizer
@@ -29,6 +31,37 @@ def open_checkpoint(args):
     """(the checkpoint's path, its format, its tokenizer): what is found before any weight is read."""
     ckpt = resolve_run_folder(args.ckpt)
     return ckpt, detect_format(ckpt), open_tokenizer(checkpoint_tokenizer(ckpt, args.tokenizer))
+
+
+def open_draft(args, ckpt, tokenizer):
+    """--draft as (its path, its format), or "ngram", checked against the model's checkpoint
+    before any weight of either is read: the same tokenizer, the same vocabulary, fewer
+    parameters. None without --draft."""
+    if args.draft in (None, NGRAM):
+        return args.draft
+    try:
+        draft = resolve_run_folder(args.draft)
+        fmt = detect_format(draft)
+        own = find_tokenizer(draft)
+        if own and not same_tokenizer(open_tokenizer(own), tokenizer):
+            raise ValueError(f"its tokenizer ({own}) is not the model's ({tokenizer.model_path}): a draft must share the "
+                             "model's tokenizer")
+        draft_args, model_args = read_args(draft, tokenizer.model_path), read_args(ckpt, tokenizer.model_path)
+        if draft_args.vocab_size != model_args.vocab_size:
+            raise ValueError(f"its vocabulary has {draft_args.vocab_size} tokens and the model's {model_args.vocab_size}: a "
+                             "draft must share the model's tokenizer")
+        if draft_args.n_parameters >= model_args.n_parameters:
+            raise ValueError(f"it has {draft_args.n_parameters / 1e6:,.1f}M parameters, not fewer than the model's "
+                             f"{model_args.n_parameters / 1e6:,.1f}M: it would cost more than it saves")
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--draft {args.draft}: {e}") from None
+    return draft, fmt
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers give every id the same text and the same special ids."""
+    return (a.n_words, a.bos_id, a.eos_id, a.stop_ids) == (b.n_words, b.bos_id, b.eos_id, b.stop_ids) and \
+        a.token_bytes() == b.token_bytes()
 
 
 def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):

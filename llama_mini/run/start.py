@@ -16,7 +16,7 @@ import torch
 from ..support.device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
 from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
-from ..support.memory import check_free_memory, shape_parameters, training_bytes
+from ..support.memory import check_free_memory, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
 from ..tokenizers import check_vocab_size, open_tokenizer
@@ -102,7 +102,7 @@ def trains_in_bf16(cfg: TrainConfig, device) -> bool:
 
 def check_training_fits(args, cfg: TrainConfig, device) -> None:
     """Refuse, in one line, a model and batch whose training cannot fit the device's free memory."""
-    n = shape_parameters(args)
+    n = args.n_parameters
     model = f"{n / 1e6:,.2f}M" if n < 1e15 else f"{n:.1e}"
     fix = "lower --batch-size" + ("" if cfg.init_from or cfg.resume else ", --dim or --n-layers")
     check_free_memory(training_bytes(args, cfg.batch_size, cfg.seq_len),

@@ -14,16 +14,8 @@ from typing import Optional
 import torch
 
 from ..model import ModelArgs
-from ..trainer import layer_matrix_weights
 
 GiB = 2**30
-
-
-def shape_parameters(args: ModelArgs) -> int:
-    """The parameters of Transformer(args), from its shape alone (no allocation)."""
-    block = layer_matrix_weights(args) + 2 * args.dim  # and its two norms
-    embeddings = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2)
-    return args.n_layers * block + embeddings + args.dim  # and the final norm
 
 
 def training_bytes(args: ModelArgs, batch_size: int, seq_len: int) -> int:
@@ -31,7 +23,7 @@ def training_bytes(args: ModelArgs, batch_size: int, seq_len: int) -> int:
     a parameter), each block's input and the logits of one micro-batch (the logits twice: their
     values and their gradient)."""
     tokens = batch_size * seq_len
-    return 16 * shape_parameters(args) + 4 * tokens * (args.n_layers * args.dim + 2 * args.vocab_size)
+    return 16 * args.n_parameters + 4 * tokens * (args.n_layers * args.dim + 2 * args.vocab_size)
 
 
 def kv_cache_bytes(args: ModelArgs, batch_size: int, max_seq_len: int, dtype: torch.dtype) -> int:
