@@ -132,6 +132,69 @@ def generate_with_tally(target, prompt, tokens, draft, lookahead, tally):
     return [step[0] for step in generate_stream(target, [prompt], tokens, 0.0, 1.0, None, None, 0, draft, lookahead, tally)]
 
 
+def llama_cpp_rows(pair, tokenizer_path, prompts, lookaheads, tokens: int, rounds: int, lookup: bool) -> dict:
+    """The same measurement on llama.cpp (llama-cpp-python) reading the pair exported as GGUF F32:
+    plain, the draft model through llama-cpp-python's draft API at each K, or prompt lookup
+    (lookup: its LlamaPromptLookupDecoding, n-grams of up to 3). Returns {configuration:
+    (tokens/s, None)} and says whether each configuration's tokens are its plain decoding's."""
+    import tempfile
+
+    import llama_cpp
+    import numpy as np
+    from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+    from llama_mini.formats.gguf import export_gguf
+
+    class ModelDraft(LlamaDraftModel):
+        """A draft model for llama-cpp-python's draft API: k greedy tokens of a second Llama."""
+
+        def __init__(self, llm, k):
+            self.llm, self.k = llm, k
+
+        def __call__(self, input_ids, **kwargs):
+            out = []
+            for token in self.llm.generate(input_ids.tolist(), top_k=1, temp=0.0):  # its cache's prefix is reused
+                out.append(token)
+                if len(out) == self.k:
+                    break
+            return np.array(out, dtype=np.intc)
+
+    folder = Path(tempfile.mkdtemp())
+    paths = [folder / "target.gguf", folder / "draft.gguf"]
+    for source, path in zip(pair, paths):
+        export_gguf(load_checkpoint(source, dtype=torch.float32), path, tokenizer_path, "f32")
+    threads = torch.get_num_threads()
+    n_ctx = load_checkpoint(pair[0]).args.max_seq_len
+
+    def llm(path, **kw):
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False, **kw)
+
+    configs = [("plain", llm(paths[0]))]
+    for k in lookaheads:
+        draft = LlamaPromptLookupDecoding(max_ngram_size=3, num_pred_tokens=k) if lookup else ModelDraft(llm(paths[1]), k)
+        configs.append((f"K={k}", llm(paths[0], draft_model=draft)))
+
+    def run(model, prompt):
+        model.reset()
+        out = []
+        for token in model.generate(prompt, top_k=1, temp=0.0):
+            out.append(token)
+            if len(out) == tokens:
+                return out
+
+    times, outputs = {name: [] for name, _ in configs}, {}
+    for _ in range(rounds):
+        for name, model in configs:
+            start = time.perf_counter()
+            outputs[name] = [run(model, p) for p in prompts]
+            times[name].append(time.perf_counter() - start)
+    for name in times:
+        if name != "plain":
+            same = outputs[name] == outputs["plain"]
+            print(f"llama.cpp {name}: {'the same tokens as' if same else 'OTHER tokens than'} its plain decoding")
+    n = len(prompts) * tokens
+    return {name: (n / statistics.median(t), None) for name, t in times.items()}
+
+
 def report(title: str, rows: dict) -> None:
     """A markdown table: each configuration's tokens/s, its ratio to plain and its acceptance; the best K marked."""
     plain = rows["plain"][0]
@@ -158,7 +221,8 @@ def main():
     p.add_argument("--count", type=int, default=4, help="prompts per configuration and round")
     p.add_argument("--words", type=int, default=24, help="words of text per prompt (twice as many for copying prompts)")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--threads", type=int, help="torch's CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, help="torch's and llama.cpp's CPU threads (default: torch's choice)")
+    p.add_argument("--llama-cpp", action="store_true", help="also llama.cpp on the pair exported as GGUF F32 (pip install llama-cpp-python)")
     p.add_argument("--quick", action="store_true", help="the tiny random shape, 16 tokens, 1 round")
     args = p.parse_args()
     if args.quick:
@@ -181,6 +245,13 @@ def main():
             copying = copying_prompts(args.prompts, tokenizer, args.count, 2 * args.words)
             t = as_variant(target, "fp32")
             report("fp32, prompt lookup on copying prompts", measure(t, NGRAM, copying, args.lookahead, args.tokens, args.rounds))
+        if args.llama_cpp:
+            tokenizer_path = checkpoint_tokenizer(args.pair[0])
+            report("llama.cpp, GGUF F32, the trained pair (its draft API)",
+                   llama_cpp_rows(args.pair, tokenizer_path, prompts, args.lookahead, args.tokens, args.rounds, lookup=False))
+            if args.lookup:
+                report("llama.cpp, GGUF F32, prompt lookup on copying prompts",
+                       llama_cpp_rows(args.pair, tokenizer_path, copying, args.lookahead, args.tokens, args.rounds, lookup=True))
     for size in args.sizes:
         base, cut = random_pair(size, args.draft_layers)
         prompts = random_prompts(args.count, 16, base.args.vocab_size)

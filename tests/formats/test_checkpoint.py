@@ -402,6 +402,34 @@ def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monk
         assert checked == [path], fmt
 
 
+def test_read_args_gives_each_formats_config_without_reading_a_tensor(tmp_path, monkeypatch):
+    """What a draft is checked by before any weight is read (generate.py --draft): each format's
+    ModelArgs, as load_checkpoint builds them, with every tensor reader made to fail."""
+    from gguf import GGMLQuantizationType as T
+    from gguf_files import gguf_names, write_gguf
+    from llama2c_files import export
+    from llama_mini import quantize
+    from llama_mini.formats import hf, llama2c, meta, native
+    from llama_mini.formats.checkpoint import read_args
+
+    model = tiny_model()
+    paths = {fmt: save_checkpoint(model, tmp_path / fmt, format=fmt) for fmt in ("native", "meta", "hf")}
+    paths["int8"] = save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "int8")
+    paths["gguf"] = write_gguf(tmp_path / "model.gguf", model.args, {n: (a, T.F32) for n, a in gguf_names(model).items()})
+    paths["llama2c-bin"] = tmp_path / "model.bin"
+    export(model, paths["llama2c-bin"], 1)
+    expected = {fmt: load_checkpoint(path).args for fmt, path in paths.items()}
+
+    def no_tensors(*args, **kwargs):
+        raise AssertionError("a tensor was read")
+
+    for module, name in ((native, "read_safetensors"), (hf, "read_safetensors"), (hf, "torch_load"), (meta, "torch_load"),
+                         (llama2c.torch, "from_file")):
+        monkeypatch.setattr(module, name, no_tensors)
+    for fmt, path in paths.items():
+        assert read_args(path) == expected[fmt], fmt
+
+
 def test_config_that_disagrees_with_weights_is_refused(tmp_path):
     save_checkpoint(tiny_model(), tmp_path, format="hf")
     config = json.loads((tmp_path / "config.json").read_text())
