@@ -269,3 +269,18 @@ def test_a_bad_draft_is_one_line_before_any_weight_is_read(checkpoints, draft, f
     result = run_in_process("--ckpt", checkpoints["torn"], "--prompt", "Tom", "--draft", path, *flags, capsys=capsys)
     assert_clean_error(result, *words)
     assert "truncated or corrupt" not in result.stderr
+
+
+@pytest.mark.slow  # the benchmark in a child process
+def test_the_speculative_bench_runs_and_finds_plain_decodings_tokens():
+    """bench/speculative_speed.py at its smallest setting: it exits with an error where any
+    configuration's tokens differ from plain decoding's (no figures are checked)."""
+    import subprocess
+    import sys
+
+    from generate_cli_helpers import ROOT
+
+    result = subprocess.run([sys.executable, str(ROOT / "bench" / "speculative_speed.py"), "--quick", "--threads", "1"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert "| plain |" in result.stdout and "| K=2" in result.stdout and "| K=4" in result.stdout
