@@ -378,21 +378,28 @@ def test_mismatched_shape_names_the_tensor_and_both_shapes(tmp_path):
     )
 
 
-def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monkeypatch):
+def every_format(folder) -> dict:
+    """The tiny model saved in every format a reader takes (int8 too), by format: their paths."""
     from gguf import GGMLQuantizationType as T
     from gguf_files import gguf_names, write_gguf
     from llama2c_files import export
     from llama_mini import quantize
-    from llama_mini.formats import gguf, hf, llama2c, meta, native, state_dict
 
     model = tiny_model()
-    paths = {fmt: save_checkpoint(model, tmp_path / fmt, format=fmt) for fmt in ("native", "meta", "hf")}
-    paths["int8"] = save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "int8")
-    paths["gguf"] = write_gguf(tmp_path / "model.gguf", model.args, {n: (a, T.F32) for n, a in gguf_names(model).items()})
-    paths["llama2c-bin"] = tmp_path / "model.bin"
+    paths = {fmt: save_checkpoint(model, folder / fmt, format=fmt) for fmt in ("native", "meta", "hf")}
+    paths["int8"] = save_checkpoint(quantize(tiny_model(), "int8"), folder / "int8")
+    paths["gguf"] = write_gguf(folder / "model.gguf", model.args, {n: (a, T.F32) for n, a in gguf_names(model).items()})
+    paths["llama2c-bin"] = folder / "model.bin"
     export(model, paths["llama2c-bin"], 1)
-    paths["llama2c-pt"] = tmp_path / "ckpt.pt"
+    paths["llama2c-pt"] = folder / "ckpt.pt"
     torch.save({"model": model.state_dict(), "model_args": TINY}, paths["llama2c-pt"])
+    return paths
+
+
+def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monkeypatch):
+    from llama_mini.formats import gguf, hf, llama2c, meta, native, state_dict
+
+    paths = every_format(tmp_path)
     checked = []
     for reader in (gguf, hf, llama2c, meta, native):
         monkeypatch.setattr(reader, "check_fits_config", lambda *a, **k: checked.append(a[2]) or state_dict.check_fits_config(*a, **k))
@@ -405,19 +412,11 @@ def test_every_reader_checks_names_and_shapes_once_per_checkpoint(tmp_path, monk
 def test_read_args_gives_each_formats_config_without_reading_a_tensor(tmp_path, monkeypatch):
     """What a draft is checked by before any weight is read (generate.py --draft): each format's
     ModelArgs, as load_checkpoint builds them, with every tensor reader made to fail."""
-    from gguf import GGMLQuantizationType as T
-    from gguf_files import gguf_names, write_gguf
-    from llama2c_files import export
-    from llama_mini import quantize
     from llama_mini.formats import hf, llama2c, meta, native
     from llama_mini.formats.checkpoint import read_args
 
-    model = tiny_model()
-    paths = {fmt: save_checkpoint(model, tmp_path / fmt, format=fmt) for fmt in ("native", "meta", "hf")}
-    paths["int8"] = save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "int8")
-    paths["gguf"] = write_gguf(tmp_path / "model.gguf", model.args, {n: (a, T.F32) for n, a in gguf_names(model).items()})
-    paths["llama2c-bin"] = tmp_path / "model.bin"
-    export(model, paths["llama2c-bin"], 1)
+    paths = every_format(tmp_path)
+    del paths["llama2c-pt"]  # unpickled to find its config (its tensors mapped, not read)
     expected = {fmt: load_checkpoint(path).args for fmt, path in paths.items()}
 
     def no_tensors(*args, **kwargs):
