@@ -217,3 +217,93 @@ def test_seeds_past_the_last_are_refused_before_anything_is_written(tmp_path, ca
     assert main(args) == 2
     assert capsys.readouterr().err == f"error: --seed {2**63 - 1} with --seeds 2 runs seeds past 2**63 - 1; pass a smaller --seed\n"
     assert not out.exists()
+
+
+# --- Any flag varied, and a verdict -------------------------------------------------------------
+
+
+def test_a_varied_flag_other_than_the_norm_trains_its_variants_from_the_same_matrices_on_the_same_batches(tmp_path, data, monkeypatch):
+    from llama_mini import ablate
+    from llama_mini.run.data import TrainBatches
+
+    runs, batches, real_start, real_next = [], {}, ablate.start_run, TrainBatches.__next__
+
+    def recording_next(self):
+        x, y = real_next(self)
+        batches.setdefault(id(self), []).append(x.clone())
+        return x, y
+
+    monkeypatch.setattr(ablate, "start_run", lambda cfg: runs.append(real_start(cfg)) or runs[-1])
+    monkeypatch.setattr(TrainBatches, "__next__", recording_next)
+    args = flags(**TINY, **data, seeds=2, max_steps=3, warmup_steps=1, eval_every=3, out=tmp_path / "lr", device="cpu")
+    assert main([*args, "--vary", "lr=1e-3,3e-3"]) == 0
+    for seed in {run.cfg.seed for run in runs}:
+        a, b = sorted((run for run in runs if run.cfg.seed == seed), key=lambda run: run.cfg.lr)
+        assert (a.cfg.lr, b.cfg.lr, a.cfg.norm, b.cfg.norm) == (1e-3, 3e-3, "rmsnorm", "rmsnorm")
+        assert all(torch.equal(x, y) for x, y in zip(batches[id(a.batches)], batches[id(b.batches)]))
+        assert len(batches[id(a.batches)]) == 3
+    report = (tmp_path / "lr" / "report.md").read_text()
+    assert "Varied: --lr;" in report and "| 0.001 vs 0.003 |" in report
+    with open(tmp_path / "lr" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    first = {r["lr"]: r["train_loss"] for r in rows if r["step"] == "1" and r["seed"] == str(runs[0].cfg.seed)}
+    assert first["0.001"] == first["0.003"]  # the same matrices and batch: the first loss, before any update, agrees
+
+
+def test_two_flags_varied_train_every_combination():
+    from llama_mini.ablate import label, parse_vary
+
+    assert parse_vary("lr=1e-3,3e-3") == ("lr", [1e-3, 3e-3])
+    assert parse_vary("--n-layers=2,4") == ("n_layers", [2, 4])
+    assert parse_vary("tie-embeddings=true,false") == ("tie_embeddings", [True, False])
+    assert label({"norm": "rmsnorm"}) == "rmsnorm" and label({"norm": "rmsnorm", "lr": 0.001}) == "norm=rmsnorm lr=0.001"
+
+
+def test_paired_statistics_equal_a_direct_computation_on_a_known_table():
+    """Student's t quantiles as printed in every table (Fisher & Yates), and a p-value integrated
+    from t's density directly: the paired interval and test of a known set of differences."""
+    from llama_mini.support.paired import paired, t_quantile
+
+    for df, printed in ((1, 12.706), (2, 4.303), (3, 3.182), (4, 2.776), (9, 2.262), (29, 2.045)):
+        assert t_quantile(0.975, df) == pytest.approx(printed, abs=5e-4)
+    a, b = [2.5, 2.7, 2.6, 2.9], [2.4, 2.4, 2.4, 2.5]  # differences 0.1, 0.3, 0.2, 0.4
+    result = paired(a, b)
+    mean, se = 0.25, math.sqrt(sum((d - 0.25) ** 2 for d in (0.1, 0.3, 0.2, 0.4)) / 3) / 2
+    assert result.n == 4 and result.mean == pytest.approx(mean)
+    assert (result.low, result.high) == pytest.approx((mean - 3.182446 * se, mean + 3.182446 * se), abs=1e-6)
+    density = lambda t: math.gamma(2) / (math.sqrt(3 * math.pi) * math.gamma(1.5)) * (1 + t * t / 3) ** -2  # df 3
+    t, step = mean / se, 1e-3
+    tail = sum(density(t + (i + 0.5) * step) for i in range(200_000)) * step  # t out to t + 200
+    assert result.p == pytest.approx(2 * tail, rel=1e-3) and result.detected
+    assert paired([1.0, None, 3.0], [0.5, 2.0, 2.0]).n == 2  # a seed that diverged is left out of the pairs
+    assert paired([1.0], [0.5]).low is None  # one seed: no interval
+
+
+def test_identical_variants_get_no_difference_detected(tmp_path, data, capsys):
+    """--dtype auto is float32 on a CPU: two names for one training, so the same bits per byte."""
+    args = flags(**TINY, **data, seeds=2, max_steps=3, warmup_steps=1, eval_every=3, out=tmp_path / "same", device="cpu")
+    assert main([*args, "--vary", "dtype=auto,float32"]) == 0
+    row = next(line for line in (tmp_path / "same" / "report.md").read_text().splitlines() if line.startswith("| auto vs float32 |"))
+    bpb = row.split(" | ")[2]
+    assert bpb.startswith("+0.0000 [+0.0000, +0.0000], p 1: no difference detected"), row
+    assert "no difference detected" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("vary, message", [
+    (["--vary", "learning-rate=1e-3,3e-3"], "(--learning-rate is not a train.py flag)"),
+    (["--vary", "lr"], "--vary 'lr': give a train.py flag and its values"),
+    (["--vary", "lr=1e-3"], "--vary --lr needs two or more different values, comma-separated; got '1e-3'"),
+    (["--vary", "lr=1e-3,1e-3"], "--vary --lr needs two or more different values"),
+    (["--vary", "lr=1e-3,fast"], "--vary --lr: 'fast' is not a float"),
+    (["--vary", "lr=1e-3,-1"], "--lr must be > 0, got -1.0"),
+    (["--vary", "norm=rmsnorm,batchnorm"], "--vary --norm: 'batchnorm' is not one of rmsnorm, prmsnorm, layernorm, none"),
+    (["--vary", "out=a,b"], "--vary --out: it says where or how a run is written or watched"),
+    (["--vary", "lr=1e-3,3e-3", "--vary", "lr=1e-2,3e-2"], "--lr is varied twice (--vary)"),
+    (["--norms", "rmsnorm,layernorm", "--vary", "norm=rmsnorm,none"], "--norm is varied twice (--norms and --vary norm)"),
+])
+def test_a_bad_vary_is_one_line_before_any_work(tmp_path, capsys, vary, message):
+    out = tmp_path / "ablation"
+    assert main(["--out", str(out), "--max-steps", "1", *vary]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
+    assert not out.exists()
