@@ -7,11 +7,15 @@ knows nothing of flags, folders, tokenizers or processes: llama_mini/run/ builds
 train.py's flags (run/start.py) and does what a run does besides stepping (run/training_run.py:
 evaluation, samples, checkpoints).
 
+The recipe is Llama's by default, AdamW with a cosine schedule, or that of the speedrun
+anchors (modded-nanogpt, nanochat): Muon on the blocks' matrices with AdamW on the rest, and a
+warmup-stable-decay schedule.
+
 Exact resume is the design constraint that shapes the rest. Everything a step depends on
 is either a function of the step number (the learning rate), state a checkpoint keeps (the
-weights, AdamW's moments, the step, the batches' RNG and every other RNG) or kept out of the
-training RNG's way (evaluation reads fixed windows). A run killed at any moment and resumed
-therefore ends with bitwise the same weights as one that never stopped.
+weights, the optimizers' moments, the step, the batches' RNG and every other RNG) or kept out
+of the training RNG's way (evaluation reads fixed windows). A run killed at any moment and
+resumed therefore ends with bitwise the same weights as one that never stopped.
 """
 
 import math
@@ -43,30 +47,83 @@ class Hyperparameters:
     weight_decay: float  # matrices only
     grad_clip: float  # the largest gradient norm; 0: no clipping
     grad_accum: int  # micro-batches per optimizer step
+    optimizer: str = "adamw"  # one of OPTIMIZERS
+    lr_schedule: str = "cosine"  # one of LR_SCHEDULES
+
+
+OPTIMIZERS = ("adamw", "muon")
+LR_SCHEDULES = ("cosine", "wsd")
+DECAY_FRACTION = 0.2  # wsd: the last fifth of the steps decays (nanochat's warmdown ratio)
 
 
 def lr_at(step: int, hp: Hyperparameters) -> float:
-    """Linear warmup to hp.lr, then a cosine down to min_lr at max_steps (step counts from 0)."""
+    """Linear warmup to hp.lr (step counts from 0), then down to min_lr at max_steps: along a
+    cosine, or (wsd) held at lr and decayed linearly over the last DECAY_FRACTION of the steps."""
     min_lr = hp.lr / 10 if hp.min_lr is None else hp.min_lr
     if step < hp.warmup_steps:
         return hp.lr * (step + 1) / hp.warmup_steps
+    if hp.lr_schedule == "wsd":
+        decay_steps = max(1, round(DECAY_FRACTION * hp.max_steps))
+        progress = min(1.0, max(0.0, (step - (hp.max_steps - decay_steps)) / decay_steps))
+        return hp.lr - progress * (hp.lr - min_lr)
     progress = min(1.0, (step - hp.warmup_steps) / max(1, hp.max_steps - hp.warmup_steps))
     return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (hp.lr - min_lr)
 
 
-def configure_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device,
-                        sharded: bool = False) -> torch.optim.AdamW:
+def configure_optimizer(model: torch.nn.Module, hp: Hyperparameters, device: torch.device, sharded: bool = False):
     """AdamW that decays only matrices (weights and embeddings): decaying norm gains pulls
     them towards zero for no benefit (nanoGPT's configure_optimizers). The fused kernel is
     one launch for all tensors where torch has it (not for FSDP's sharded parameters); foreach
-    otherwise."""
+    otherwise. With hp.optimizer "muon", the blocks' matrices go to Muon instead (Optimizers)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    muon = [p for name, p in model.named_parameters() if p.requires_grad and hp.optimizer == "muon" and is_block_matrix(name, p)]
+    rest = [p for p in params if all(p is not q for q in muon)]
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
     ]
     fused = device.type in ("cuda", "cpu", "mps") and not sharded
-    return torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    adamw = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95), eps=1e-8, fused=fused or None)
+    if not muon:
+        return adamw
+    # match_rms_adamw scales each matrix's orthogonalised update to AdamW's size (0.2 * sqrt of
+    # its larger side; Moonshot's "Muon is Scalable"), so --lr and --weight-decay mean what they
+    # mean for AdamW.
+    return Optimizers(torch.optim.Muon(muon, lr=hp.lr, weight_decay=hp.weight_decay, adjust_lr_fn="match_rms_adamw"), adamw)
+
+
+def is_block_matrix(name: str, p: torch.Tensor) -> bool:
+    """The 2-D weights of the Transformer blocks (attention's and the feed-forward's): Muon's
+    share; the embedding, the head and the norm gains stay with AdamW, as nanochat splits them."""
+    return p.dim() == 2 and name.split(".")[0] == "layers"
+
+
+class Optimizers:
+    """Several optimizers stepped as one (Muon and AdamW): their param groups in one list, so the
+    schedule sets every group's lr; their states side by side in one state dict."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list:
+        """Read anew each time: an optimizer's load_state_dict replaces its groups."""
+        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
+
+    def step(self):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {type(optimizer).__name__: optimizer.state_dict() for optimizer in self.optimizers}
+
+    def load_state_dict(self, state: dict) -> None:
+        for optimizer in self.optimizers:
+            optimizer.load_state_dict(state[type(optimizer).__name__])
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> int:

@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from ..support.cli import KERNELS, check_context, check_number, flag, utf8_text
 from ..support.device import DTYPES
 from ..model import NORMS, ModelArgs
-from ..trainer import Hyperparameters
+from ..trainer import LR_SCHEDULES, OPTIMIZERS, Hyperparameters
 from .data import corpus_name
 
 # --dtype's choices: auto, or one of the dtypes, but float16, which needs a gradient scaler
@@ -62,7 +64,13 @@ class TrainConfig:
     lr: float = option(4e-3, "peak learning rate")
     min_lr: Optional[float] = option(None, "learning rate at the end of the cosine (default: lr / 10)")
     warmup_steps: int = option(50, "steps of linear learning-rate warmup")
-    weight_decay: float = option(0.1, "AdamW weight decay (matrices only)")
+    weight_decay: float = option(0.1, "weight decay (matrices only)")
+    optimizer: Optional[str] = option(
+        None, "adamw: Llama's; muon: Muon on the blocks' matrices and AdamW on the embedding, head and norms, as nanochat "
+        "and modded-nanogpt train (the same --lr and --weight-decay)", fresh="adamw", choices=OPTIMIZERS)
+    lr_schedule: Optional[str] = option(
+        None, "cosine: warmup, then a cosine to --min-lr; wsd: warmup, the peak held, and a linear decay to --min-lr over "
+        "the last 20%% of the steps", fresh="cosine", choices=LR_SCHEDULES)
     grad_clip: float = option(1.0, "clip the gradient norm to this (0: no clipping)")
     seed: int = option(1337, "seed for initialisation, data order and the final sample")
     resume: bool = option(False, "continue the run in --out from its latest checkpoint")
@@ -80,10 +88,11 @@ class TrainConfig:
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):
-        if not (self.resume or self.init_from):  # a run from scratch: the shape is ours to choose
-            for f in dataclasses.fields(self):
-                if "scratch" in f.metadata and getattr(self, f.name) is None:
-                    setattr(self, f.name, f.metadata["scratch"])
+        for f in dataclasses.fields(self):
+            if getattr(self, f.name) is None and (
+                    "scratch" in f.metadata and not (self.resume or self.init_from)  # a run from scratch: the shape is ours
+                    or "fresh" in f.metadata and not self.resume):  # the recipe: ours, unless the run is resumed
+                setattr(self, f.name, f.metadata.get("scratch", f.metadata.get("fresh")))
         for name in ("data", "out", "run_name", "init_from", "cache_dir", "tokenizer", "prompt"):
             if getattr(self, name) is not None:  # a path or text every line, record and plot must hold
                 utf8_text(getattr(self, name), flag(name))
@@ -103,6 +112,15 @@ class TrainConfig:
                              "to write elsewhere, pass --out DIR")
         if self.dtype not in TRAIN_DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(TRAIN_DTYPES)}, got {self.dtype!r}")
+        for name, choices in (("optimizer", OPTIMIZERS), ("lr_schedule", LR_SCHEDULES)):
+            if getattr(self, name) not in (*choices, None):
+                raise ValueError(f"{flag(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
+        if self.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+            raise ValueError(f"--optimizer muon needs torch.optim.Muon, in torch 2.9 and later (this is torch "
+                             f"{torch.__version__}); upgrade torch, or train with --optimizer adamw")
+        if self.optimizer == "muon" and self.fsdp:
+            raise ValueError("--optimizer muon orthogonalises whole matrices, which --fsdp shards across processes; "
+                             "train Muon with DDP (torchrun without --fsdp), or --fsdp with --optimizer adamw")
         if not (self.resume or self.init_from):
             self.model_args(vocab_size=self.vocab_size)  # shape errors (dim vs heads, unknown norm) now, not later
 
@@ -137,6 +155,8 @@ def add_arguments(parser, names=None, defaults=None) -> None:
         if "scratch" in f.metadata and default is None:
             from_checkpoint = ", or the checkpoint's with --init-from or --resume" if names is None else ""
             text += f" (default: {f.metadata['scratch']}{from_checkpoint})"
+        if "fresh" in f.metadata and default is None:
+            text += f" (default: {f.metadata['fresh']}" + (", or the run's with --resume)" if names is None else ")")
         kind = next((a for a in typing.get_args(hints[f.name]) if a is not type(None)), hints[f.name])
         if kind is bool:
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, default=default, help=text)

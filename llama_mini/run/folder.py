@@ -43,7 +43,7 @@ RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
 
 # Settings a resumed run must share with its checkpoint: they fix the model and the data it
 # sees (and under --fsdp, the optimizer state is keyed by parameter name, not position).
-RESUME_MUST_MATCH = (*MODEL_SHAPE, "tokenizer", "seq_len", "val_fraction", "fsdp")
+RESUME_MUST_MATCH = (*MODEL_SHAPE, "tokenizer", "seq_len", "val_fraction", "fsdp", "optimizer", "lr_schedule")
 
 
 class RunFolder:
@@ -142,7 +142,10 @@ class RunFolder:
                 f"cannot --resume {self.path}: it was trained with {', '.join(diffs)}; "
                 "pass the flags it was trained with, or a new --out to start another run"
             )
-        return dataclasses.replace(cfg, **{k: then[k] for k in RESUME_MUST_MATCH if now[k] is None and k in then})
+        taken = {k: then[k] for k in RESUME_MUST_MATCH if now[k] is None and k in then}
+        # what a run from before a field existed was trained with: the field's default then
+        before = {f.name: f.metadata["fresh"] for f in dataclasses.fields(cfg) if "fresh" in f.metadata and f.name not in then}
+        return dataclasses.replace(cfg, **before, **taken)
 
     # -- writing --
 

@@ -100,6 +100,45 @@ def test_weight_decay_applies_to_matrices_only():
     assert len(plain["params"]) == 2 * 2 + 1  # two norms per block and the final one
 
 
+def test_wsd_warms_up_holds_the_peak_and_decays_linearly_over_the_last_fifth():
+    hp = TrainConfig(lr=1e-3, warmup_steps=10, max_steps=100, lr_schedule="wsd").hyperparameters()
+    assert [lr_at(step, hp) for step in (0, 9)] == pytest.approx([1e-4, 1e-3])
+    assert [lr_at(step, hp) for step in (10, 50, 80)] == pytest.approx([1e-3] * 3)  # stable up to the decay's start
+    assert lr_at(90, hp) == pytest.approx(1e-3 - 0.5 * 9e-4)  # halfway down the line
+    assert lr_at(100, hp) == pytest.approx(1e-4)
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_embedding_head_and_norms():
+    model = llama_mini.Transformer(llama_mini.ModelArgs(dim=32, n_layers=2, n_heads=2, vocab_size=50))
+    opt = configure_optimizer(model, TrainConfig(optimizer="muon").hyperparameters(), torch.device("cpu"))
+    muon, adamw = opt.optimizers
+    names = {id(p): name for name, p in model.named_parameters()}
+    assert type(muon) is torch.optim.Muon and type(adamw) is torch.optim.AdamW
+    assert sorted(names[id(p)] for g in muon.param_groups for p in g["params"]) == sorted(
+        name for name, p in model.named_parameters() if name.startswith("layers.") and p.dim() == 2)
+    assert sorted(names[id(p)] for g in adamw.param_groups for p in g["params"]) == sorted(
+        name for name, p in model.named_parameters() if not (name.startswith("layers.") and p.dim() == 2))
+    assert len(opt.param_groups) == len(muon.param_groups) + len(adamw.param_groups)  # the schedule sets every one
+
+
+def test_a_muon_step_moves_a_block_matrix_by_its_gradient_orthogonalised_at_adamws_size():
+    """Muon's first update of a matrix is its gradient orthogonalised (Newton-Schulz): a gradient
+    whose singular values span 100x gives an update whose singular values are alike, of RMS
+    0.2 * lr (match_rms_adamw: the size of a typical AdamW update, so --lr means the same)."""
+    torch.manual_seed(0)
+    model = llama_mini.Transformer(llama_mini.ModelArgs(dim=64, n_layers=1, n_heads=2, vocab_size=50))
+    opt = configure_optimizer(model, TrainConfig(optimizer="muon", lr=1e-3, weight_decay=0.0).hyperparameters(),
+                              torch.device("cpu"))
+    w = model.layers[0].feed_forward.w1.weight  # (hidden, dim)
+    u, _, vh = torch.linalg.svd(torch.randn_like(w), full_matrices=False)
+    w.grad = u @ torch.diag(torch.logspace(0, 2, vh.shape[0])) @ vh
+    before = w.detach().clone()
+    opt.step()
+    sv = torch.linalg.svdvals(w.detach() - before)
+    assert sv.max() / sv.min() < 2  # the gradient's: 100
+    assert (w.detach() - before).square().mean().sqrt().item() == pytest.approx(0.2 * 1e-3, rel=0.3)
+
+
 def test_flops_per_token_counts_six_per_matmul_weight_plus_attention():
     args = llama_mini.ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=100, multiple_of=32)
     model = llama_mini.Transformer(args)
@@ -245,14 +284,23 @@ def test_non_finite_loss_stops_naming_the_step_without_touching_the_weights(text
 # --- train.py end to end -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def reference_run(text_file, cache_dir, tmp_path_factory):
-    """One uninterrupted run; the interrupted ones below must end with exactly its weights."""
-    base = dict(data=text_file, cache_dir=cache_dir, device="cpu", max_steps=80, save_every=8, eval_every=40, **TINY)
-    tmp = tmp_path_factory.mktemp("ref")
+def uninterrupted_run(text_file, cache_dir, tmp, **recipe) -> dict:
+    """One run that nothing stops; the interrupted ones below must end with exactly its weights."""
+    base = dict(data=text_file, cache_dir=cache_dir, device="cpu", max_steps=80, save_every=8, eval_every=40, **TINY, **recipe)
     rc, stdout, stderr = Cli([*flags(**base), "--out", tmp / "run"], tmp / "logs").finish()
     assert rc == 0, stderr
     return dict(base=base, args=flags(**base), out=tmp / "run", stdout=stdout)
+
+
+@pytest.fixture(scope="module")
+def reference_run(text_file, cache_dir, tmp_path_factory):
+    return uninterrupted_run(text_file, cache_dir, tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def muon_wsd_run(text_file, cache_dir, tmp_path_factory):
+    """The speedrun anchors' recipe: Muon with AdamW, and a warmup-stable-decay schedule."""
+    return uninterrupted_run(text_file, cache_dir, tmp_path_factory.mktemp("muon"), optimizer="muon", lr_schedule="wsd")
 
 
 def test_run_folder_holds_checkpoints_metrics_and_latest(reference_run):
@@ -294,6 +342,27 @@ def test_load_checkpoint_returns_the_trained_model(reference_run):
 @pytest.mark.slow  # each kill, resume and comparison is a train.py run in a subprocess
 @pytest.mark.parametrize("attempt", range(3))  # three random kill times per run of the suite
 def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(reference_run, tmp_path, attempt):
+    kill_at_random_and_resume(reference_run, tmp_path)
+
+
+@pytest.mark.slow
+def test_muon_and_wsd_resume_after_sigkill_with_bitwise_identical_weights_taking_the_recipe_from_the_run(muon_wsd_run, tmp_path):
+    """--resume without --optimizer or --lr-schedule: the run's own recipe, Muon's momenta included."""
+    kill_at_random_and_resume(muon_wsd_run, tmp_path, resume_flags=[a for a in muon_wsd_run["args"]
+                                                                   if a not in ("--optimizer", "muon", "--lr-schedule", "wsd")])
+    rc, _, stderr = Cli([*muon_wsd_run["args"], "--out", tmp_path / "run", "--resume", "--optimizer", "adamw"],
+                        tmp_path / "refused").finish()
+    assert rc == 2 and "it was trained with --optimizer muon (now adamw)" in stderr, stderr
+
+
+def test_muon_with_fsdp_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="--optimizer muon orthogonalises whole matrices, which --fsdp shards"):
+        TrainConfig(optimizer="muon", fsdp=True)
+
+
+def kill_at_random_and_resume(reference_run, tmp_path, resume_flags=None):
+    """Kill a run like reference_run with SIGKILL at a random moment past its first checkpoint,
+    resume it (with resume_flags, default its own), and compare its final weights bit for bit."""
     args = [*reference_run["args"], "--out", tmp_path / "run"]
     cli = Cli(args, tmp_path / "killed")
     cli.wait_for(tmp_path / "run" / "latest")  # the first checkpoint (step 8) is written; from here on anything
@@ -306,7 +375,8 @@ def test_sigkill_at_a_random_moment_then_resume_gives_bitwise_identical_weights(
     cli.proc.send_signal(signal.SIGKILL)
     cli.proc.wait()
     killed_at = (tmp_path / "run" / "latest").read_text().strip()
-    rc, _, stderr = Cli([*args, "--resume"], tmp_path / "resumed").finish()
+    resume_args = [*(reference_run["args"] if resume_flags is None else resume_flags), "--out", tmp_path / "run", "--resume"]
+    rc, _, stderr = Cli(resume_args, tmp_path / "resumed").finish()
     assert rc == 0, stderr
     ref, ours = final_weights(reference_run["out"]), final_weights(tmp_path / "run")
     assert all(torch.equal(ref[k], ours[k]) for k in ref), f"weights differ after a kill near step {target} ({killed_at})"
