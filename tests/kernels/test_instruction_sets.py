@@ -17,10 +17,11 @@ from llama_mini.kernels.operators import operators
 
 ROOT = Path(__file__).resolve().parents[2]
 # The tests of the kernels' numbers: operators, a model on the kernels, the fused norm and gate, the
-# integer layers against their definition (not those of the build's machinery, the same for all).
+# integer layers against their definition, speculative decoding's exactness, which rests on each
+# row computed alone (not those of the build's machinery, the same for all).
 KERNEL_TESTS = ["tests/kernels/test_matvec.py", "tests/kernels/test_one_function.py", "tests/kernels/test_fused_rmsnorm.py",
                 "tests/kernels/test_fused_swiglu.py", "tests/kernels/test_fused_rope.py",
-                "tests/quant/test_quantize.py"]
+                "tests/quant/test_quantize.py", "tests/test_speculative.py"]
 # The first instruction set this CPU executes is its own (the native build, which the suite ran
 # already); the others are those below it.
 BELOW_NATIVE = build.runnable_isas()[1:]
