@@ -215,11 +215,11 @@ def decode_one_token(model: Transformer, token: torch.Tensor, pos: int) -> torch
     return model(token, start_pos=pos, last_only=True)[:, -1]
 
 
-def _check_finite(logits, position: int, model) -> None:
+def _check_finite(logits, position: int, model, name: str = "model") -> None:
     """Refuse NaN or infinite logits, where argmax would pick garbage and multinomial crash."""
     if not torch.isfinite(logits).all():
         raise ValueError(
-            f"the model's logits at position {position} are NaN or infinite: its weights hold NaN/inf (a "
+            f"the {name}'s logits at position {position} are NaN or infinite: its weights hold NaN/inf (a "
             f"damaged checkpoint) or {model.output.weight.dtype} overflowed; try another checkpoint or float32"
         )
 
@@ -286,6 +286,7 @@ def _speculate(model, draft, lookahead, prompt, max_new_tokens, temperature, top
         draft.setup_cache(1, total)
     seq, drafted_upto = list(prompt), 0  # drafted_upto: the positions the draft's cache holds
     logits = prefill(model, torch.tensor([seq], device=device))
+    _check_finite(logits, len(seq), model)
     new = [sample(logits, temperature, top_p, top_k, generator).item()]
     while True:
         for token in new:
@@ -334,6 +335,7 @@ def _draft_proposals(draft, seq, drafted_upto, k, temperature, top_p, top_k, gen
     fed, pos = seq[drafted_upto:], drafted_upto
     for _ in range(k):
         logits = draft(torch.tensor([fed], device=device), start_pos=pos, last_only=True)[0, -1]
+        _check_finite(logits, pos + len(fed), draft, "draft")
         probs = probabilities(logits, temperature, top_p, top_k)
         token = (logits.argmax() if probs is None else torch.multinomial(probs, 1, generator=generator)[0]).item()
         proposals.append(token)

@@ -108,6 +108,18 @@ def test_off_the_kernels_in_float64_greedy_with_a_draft_gives_plain_greedy_token
         assert speculative(target, draft, 5)[0] == plain
 
 
+@pytest.mark.parametrize("broken", ["target", "draft"])
+def test_nan_weights_in_the_model_or_the_draft_are_reported_not_sampled(broken):
+    target, drafts = target_and_drafts(kernels=False)
+    draft = drafts["cut"]
+    with torch.no_grad():
+        (target if broken == "target" else draft).norm.weight[0] = float("nan")
+    name = "model" if broken == "target" else "draft"
+    for temperature in (0.0, 0.8):
+        with pytest.raises(ValueError, match=f"the {name}'s logits at position \\d+ are NaN or infinite"):
+            generate(target, [[1, 2, 3]], 8, temperature=temperature, draft=draft)
+
+
 def test_sampling_with_a_draft_is_reproducible_for_a_seed():
     target, drafts = target_and_drafts(kernels=False)
     first = speculative(target, drafts["cut"], 4, temperature=0.8, top_p=0.9, seed=7)[0]
