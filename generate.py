@@ -63,7 +63,7 @@ def read_prompt_file(path) -> str:
 
 def check_cache_fits(model, positions: int, device) -> None:
     """Refuse, in one line, a KV cache of positions that cannot fit the device's free memory."""
-    needed = kv_cache_bytes(model.args, 1, positions, model.tok_embeddings.weight.dtype)
+    needed = kv_cache_bytes(model.args, 1, positions, next(model.parameters()).dtype)
     check_free_memory(needed, f"a KV cache of {positions} positions", device, "lower --max-seq-len or --max-new-tokens")
 
 
@@ -82,7 +82,7 @@ def main(argv=None) -> None:
     model = load_model(args, ckpt, fmt, tokenizer, args.max_seq_len)
     if isinstance(draft, tuple):
         draft = load_model(args, *draft, tokenizer, args.max_seq_len)
-    device = model.tok_embeddings.weight.device
+    device = next(model.parameters()).device
 
     if args.chat:
         check_cache_fits(model, model.args.max_seq_len, device)

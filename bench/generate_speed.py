@@ -238,7 +238,7 @@ def float32_activation_errors(base, prompt, expected) -> dict:
     for method in ("int8", "int4"):
         model = quantize(copy.deepcopy(base), method)
         for module in model.modules():
-            for name in ("scales", "zeros"):
+            for name in ("scales", "offsets"):
                 if isinstance(getattr(module, name, None), torch.Tensor):
                     setattr(module, name, getattr(module, name).bfloat16())
         errors[method] = logits_error(logits_ours(use_cpu_kernels(use_fused_rmsnorm(model)), prompt), expected)

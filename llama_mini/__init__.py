@@ -9,7 +9,7 @@ and int4 weights) and kernels/ (CPU kernels). The names below are imported on fi
 
 import importlib
 
-__version__ = "0.2.0"  # pyproject.toml reads it from here; checkpoints record it (formats/record.py)
+__version__ = "0.3.0"  # pyproject.toml reads it from here; checkpoints record it (formats/record.py)
 
 _EXPORTS = {
     "ModelArgs": "model", "RMSNorm": "model", "Transformer": "model",

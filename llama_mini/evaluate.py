@@ -93,7 +93,7 @@ def score(model, chunk: torch.Tensor, text_bytes: TextBytes) -> tuple[torch.Tens
     """The NLL of the second half of chunk's tokens, each after all the tokens before it,
     and the bytes of text they stand for."""
     ctx, first = len(chunk), len(chunk) // 2
-    logits = model(chunk[None].to(model.tok_embeddings.weight.device))[0, first:ctx - 1].float()
+    logits = model(chunk[None].to(next(model.parameters()).device))[0, first:ctx - 1].float()
     targets = chunk[first + 1:]
     nll = -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None].to(logits.device))[:, 0]
     return nll.cpu(), text_bytes.count(chunk[first:ctx - 1], targets)

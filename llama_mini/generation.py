@@ -147,7 +147,7 @@ def generate_stream(
                        "shorten the prompt or lower max_new_tokens")
     if draft is not None:
         check_draft(model, draft, lookahead, longest + max_new_tokens)
-    generator = torch.Generator(device=model.tok_embeddings.weight.device)
+    generator = torch.Generator(device=next(model.parameters()).device)
     if seed is None:
         generator.seed()
     else:
@@ -226,7 +226,7 @@ def _check_finite(logits, position: int, model, name: str = "model") -> None:
 
 @torch.inference_mode()
 def _decode(model, prompt_tokens, max_new_tokens, temperature, top_p, top_k, stop_ids, generator):
-    device = model.tok_embeddings.weight.device
+    device = next(model.parameters()).device
     stop_ids = torch.tensor(stop_ids, dtype=torch.long, device=device)
     lengths = torch.tensor([len(p) for p in prompt_tokens], device=device)
     B, shortest, total_len = len(prompt_tokens), int(lengths.min()), int(lengths.max()) + max_new_tokens
@@ -279,7 +279,7 @@ def _speculate(model, draft, lookahead, prompt, max_new_tokens, temperature, top
     a model has read; positions past the kept tokens are written over in the next round."""
     if max_new_tokens == 0:
         return
-    device = model.tok_embeddings.weight.device
+    device = next(model.parameters()).device
     total = len(prompt) + max_new_tokens
     model.setup_cache(1, total)
     if not isinstance(draft, str):
@@ -330,7 +330,7 @@ def _draft_proposals(draft, seq, drafted_upto, k, temperature, top_p, top_k, gen
     of seq), and for each the distribution it was drawn from (None where drawn greedily). It
     stops early after a token it gave less than DRAFT_CONFIDENCE: the next would likely be
     refused, and costs a draft step and a row of the check."""
-    device = draft.tok_embeddings.weight.device
+    device = next(draft.parameters()).device
     proposals, dists = [], []
     fed, pos = seq[drafted_upto:], drafted_upto
     for _ in range(k):

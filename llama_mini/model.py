@@ -363,7 +363,7 @@ class Transformer(nn.Module):
         """Allocate a KV cache on the model's device and dtype for incremental decoding. From
         now on every forward stores its keys and values in it; drop_cache() ends that."""
         max_seq_len = max_seq_len or self.args.max_seq_len
-        weight = self.tok_embeddings.weight  # in the model's dtype even when the linear layers are quantized
+        weight = next(self.parameters())  # the embedding's (held as integers: the first norm's), in the activations' dtype
         for layer in self.layers:
             attn = layer.attention
             attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, weight.device, weight.dtype)

@@ -114,10 +114,13 @@ def read_args(path, tokenizer_path=None) -> ModelArgs:
     return llama2c.bin_args(path) if fmt == "llama2c-bin" else llama2c.read_pt(path)[0]  # a .pt's tensors stay mapped
 
 
-def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None) -> Transformer:
+def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None,
+                    keep_blocks: bool = True) -> Transformer:
     """Load a checkpoint folder of any supported format, or a GGUF or llama2.c file. dtype=None
-    keeps the stored dtype (one dtype for all: the embedding's, where the file mixes them; a
-    GGUF file's quantized blocks are dequantized to float32).
+    keeps the stored dtype (one dtype for all: the embedding's, where the file mixes them). A
+    GGUF file's quantized tensors keep the file's precision as int8 and int4 layers
+    (gguf.load_gguf_blocks) unless dtype, quantize or keep_blocks=False asks for floats: they
+    are then dequantized, to float32 where dtype is None.
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
@@ -135,8 +138,12 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
     elif fmt == "hf":
         args, state = read_hf(path)
     elif fmt == "gguf":
-        from .gguf import read_gguf  # the gguf package, imported when a GGUF file is read
+        from .gguf import load_gguf_blocks, read_gguf  # the gguf package, imported when a GGUF file is read
 
+        if keep_blocks and dtype is None and quantize is None and (model := load_gguf_blocks(path)) is not None:
+            if max_seq_len is not None:
+                model.args.max_seq_len = max_seq_len
+            return model.to(device)
         args, state = read_gguf(path, dtype)
     else:
         args, state = (llama2c.read_bin if fmt == "llama2c-bin" else llama2c.read_pt)(path)
@@ -171,6 +178,9 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     tokenizer_path, when given, is copied into the folder as tokenizer.model (copy_tokenizer).
     """
     check_writable(model.args, format, shards, max_shard_bytes)  # before anything is created
+    if getattr(model, "quantization", None) and model.quantization["method"] == "gguf":
+        raise ValueError("a model held at its GGUF file's precision is saved by converting the file: python -m "
+                         "llama_mini.formats.convert FILE DST --to native (or --quantize int8|int4)")
     if getattr(model, "quantization", None) and format != "native":
         raise ValueError(f"a quantized model is saved in the native format only, not {format!r}; convert its full-precision source")
     path = Path(path)

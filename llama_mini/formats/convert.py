@@ -45,7 +45,8 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
     tokenizer_path = tokenizer_path or find_tokenizer(src)
     # Opened, and so checked, before it is copied: a bad --tokenizer or a damaged vocabulary fails first.
     tokenizer = open_tokenizer(tokenizer_path) if tokenizer_path is not None else None
-    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path, quantize=quantize)
+    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path, quantize=quantize,
+                            keep_blocks=False)
     if tokenizer is not None:
         check_vocab_size(tokenizer, model.args.vocab_size, src)
     check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing
@@ -63,7 +64,7 @@ def convert_to_gguf(src, dst: Path, gguf_type: str, dtype=None, tokenizer_path=N
     except ModuleNotFoundError as e:
         raise ValueError(f"GGUF export needs the {e.name} package (llama.cpp's writer): pip install gguf") from None
     tokenizer = open_tokenizer(checkpoint_tokenizer(src, tokenizer_path))  # llama.cpp reads the vocabulary from it
-    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer.model_path)
+    model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer.model_path, keep_blocks=False)
     check_vocab_size(tokenizer, model.args.vocab_size, src)
     dst.parent.mkdir(parents=True, exist_ok=True)
     return export_gguf(model, dst, tokenizer.model_path, gguf_type)

@@ -31,8 +31,10 @@ from gguf import GGMLQuantizationType as T
 from gguf import Keys
 
 from ..support.files import atomic_write, brief
-from ..support.gguf_file import GGUFFile, check_llama
+from ..support.gguf_file import FLOATS, GGUFFile, check_llama
 from ..model import ModelArgs, Transformer, rope_frequencies
+from ..quant.gguf_blocks import TYPES, layer_from_blocks
+from ..quant.layers import Int4Linear, QuantizedEmbedding
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
@@ -215,6 +217,46 @@ def read_gguf(path: Path, dtype=None):
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
     return args, state
+
+
+def load_gguf_blocks(path: Path):
+    """The model of a GGUF file at the file's precision, or None where it holds no quantized
+    tensor (read_gguf maps its float tensors as they are). Each
+    quantized matrix becomes an int8 or int4 layer as it is read (quant/gguf_blocks.py), the
+    token embedding a QuantizedEmbedding over its rows (the head's, when tied), and the float
+    tensors (the norms) float32 views of the mapped file. No float copy of a quantized matrix
+    is ever made; activations are float32."""
+    file = GGUFFile(path)
+    if all(info.type in FLOATS for info in file.tensors.values()):
+        return None
+    args, names = _gguf_args(file, path)
+    with torch.device("meta"):
+        model = Transformer(args)
+    floats, kinds = {}, {}
+    for ours, theirs in names.items():
+        info = file.tensors[theirs]
+        if info.type in FLOATS:
+            floats[ours] = file.tensor(theirs).float()
+            continue
+        if info.type not in TYPES:
+            readable = ", ".join(t.name for t in (*FLOATS, *TYPES))
+            raise ValueError(f"{path} stores tensor {theirs} as {info.type.name}; llama_mini reads {readable}")
+        layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
+        file.release(theirs)
+        kinds.setdefault(info.type.name, "int4" if isinstance(layer, Int4Linear) else "int8")
+        parent, _, child = ours.removesuffix(".weight").rpartition(".")
+        if child == "tok_embeddings":
+            layer = QuantizedEmbedding(layer)
+        setattr(model.get_submodule(parent), child, layer)
+    model.load_state_dict(floats, strict=False, assign=True)
+    if args.tie_embeddings:  # the head is the embedding's table, one copy of it
+        quantized = isinstance(model.tok_embeddings, QuantizedEmbedding)
+        model.output = model.tok_embeddings.table if quantized else model.output
+        if not quantized:
+            model.output.weight = model.tok_embeddings.weight
+    held = ", ".join(f"{kind} as {layer}" for kind, layer in sorted(kinds.items()))
+    model.quantization = {"method": "gguf", "held": f"the file's blocks ({held})"}
+    return model.eval()
 
 
 def gguf_args(path: Path) -> ModelArgs:

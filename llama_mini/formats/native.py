@@ -17,7 +17,7 @@ from ..quant import read_quantization
 from .config_check import model_args
 from .hf import CONFIG, WEIGHTS
 from .reading import read_json, read_safetensors
-from .record import check_config, format_record
+from .record import check_config, format_record, format_version, offsets_from_zeros
 from .state_dict import check_fits_config
 
 TOKENIZER, LATEST = "tokenizer.model", "latest"
@@ -68,6 +68,8 @@ def read_native(path: Path):
     """(ModelArgs, state dict, quantization record or None) of our checkpoint folder, checked."""
     args, quantization = native_args(path)
     state = read_safetensors(path / WEIGHTS, quantized=quantization is not None)
+    if quantization and quantization["method"] == "int4" and format_version(read_json(path / CONFIG), path) == 2:
+        state = offsets_from_zeros(state)
     check_fits_config(args, state, path, quantization=quantization)
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]

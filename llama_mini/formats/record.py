@@ -17,7 +17,10 @@ never inspected to guess which layout they are in.
   quantization record, so the file cannot say which it holds: quantize again from the
   source); a config.json naming norm_impl (which RMSNorm code ran; delete the field); a
   run folder without run.json (start a new run from its newest checkpoint).
-- Format 2, from 0.1.0: read.
+- Format 2, from 0.1.0 to 0.2.0: read. Its int4 layers store `zeros`, the value code 8 stands
+  for; they are read as today's `offsets`, the value code 0 stands for (zero - 8 scale, computed
+  in float32 and rounded to the scales' dtype once).
+- Format 3, from 0.3.0: read.
 - A newer format: refused (upgrade llama_mini).
 """
 
@@ -29,7 +32,7 @@ from .. import __version__
 from ..support.files import brief
 from ..quant import QUANTIZATIONS
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FIRST_RECORDED = "0.1.0"  # the first llama_mini to write the record: files without one are older
 _VERSION = re.compile(r"[0-9][0-9A-Za-z.+-]{0,39}")  # a version as a message shows it plainly
 
@@ -69,6 +72,15 @@ def check_config(fields: dict, source) -> None:
     if isinstance(config, dict) and "norm_impl" in config:
         raise _older(source, "and names norm_impl, which said which RMSNorm code ran and is no longer stored",
                      "delete that field from it (the weights need no change)")
+
+
+def offsets_from_zeros(state: dict) -> dict:
+    """A format-2 int4 checkpoint's state dict with each layer's zeros turned into offsets."""
+    for name in [name for name in state if name.endswith(".zeros")]:
+        layer = name[: -len("zeros")]
+        zeros, scales = state.pop(name), state[layer + "scales"]
+        state[layer + "offsets"] = (zeros.float() - 8 * scales.float()).to(scales.dtype)
+    return state
 
 
 def check_run_record(fields: Optional[dict], file: Path, latest: Path) -> None:

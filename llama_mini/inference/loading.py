@@ -73,10 +73,10 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
                             tokenizer_path=tokenizer.model_path, quantize=args.quantize)
     check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
     quantization = getattr(model, "quantization", None)
-    quantized = f" with {quantization['method']} weights" if quantization else ""
+    quantized = f" with {quantization.get('held', quantization['method'] + ' weights')}" if quantization else ""
     print(
         f"loaded {fmt} checkpoint {ckpt}: {parameter_count(model) / 1e6:.1f}M parameters, "
-        f"{model.tok_embeddings.weight.dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
+        f"{next(model.parameters()).dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
     if device.type == "cpu" and args.kernels == "auto" and not args.compile:
@@ -85,7 +85,7 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
         hold_plain_rows(model)
     if args.compile:
         model.compile(dynamic=True)
-    if not on_kernels(model) and (notice := bfloat16_notice(device, model.tok_embeddings.weight.dtype, "--dtype")):
+    if not on_kernels(model) and (notice := bfloat16_notice(device, next(model.parameters()).dtype, "--dtype")):
         print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
     if quantization and not on_kernels(model) and (notice := quantized_notice(model, compiled=args.compile)):
         print(notice, file=sys.stderr)

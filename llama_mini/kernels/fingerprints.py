@@ -46,9 +46,9 @@ FINGERPRINTS = {
     "quant.layers:Int8Linear.codes": "8a9722846a6d43bc",
     "quant.layers:Int8Linear.block_scales": "f5bb88187f9dd161",
     "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
-    "quant.layers:Int4Linear.dequantize": "cf95e1ccd8c622ba",
+    "quant.layers:Int4Linear.dequantize": "d4c7c9fc00380ea7",
     "quant.layers:Int4Linear.codes": "de8c10939a988929",
-    "quant.layers:Int4Linear.group_scales_and_zeros": "fa4dac4ef440d2ff",
+    "quant.layers:Int4Linear.group_scales_and_offsets": "2c415a803e8dfc7e",
 }
 
 

@@ -114,10 +114,10 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
 
     layer = "int4 kernel"
     computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("forward", "dequantize", "codes",
-                                                                                  "group_scales_and_zeros"))
+                                                                                  "group_scales_and_offsets"))
 
     def kernel(self, ops, x):
-        return ops.linear_int4(x, self.weight, self.scales, self.zeros)
+        return ops.linear_int4(x, self.weight, self.scales, self.offsets)
 
 
 # The kernel class each linear layer's class becomes under use_cpu_kernels.
@@ -125,12 +125,12 @@ LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Lin
 
 
 def kernel_operands(linear):
-    """(weight, scales, zeros) of a linear layer as the kernels read them, or None where they do
+    """(weight, scales, offsets) of a linear layer as the kernels read them, or None where they do
     not take it: other shapes, biases, dtypes, or tensors not laid out in one piece."""
     if isinstance(linear, Int8Linear):
         operands = (linear.weight, linear.scales, None) if linear.rows_of_8 else None
     elif isinstance(linear, Int4Linear):
-        operands = (linear.weight, linear.scales, linear.zeros) if linear.rows_of_8 else None
+        operands = (linear.weight, linear.scales, linear.offsets) if linear.rows_of_8 else None
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
         # panels hold float32 (a model cast after use_cpu_kernels holds bfloat16 ones: torch's code)
         in_panels = getattr(linear, "in_panels", False)

@@ -99,13 +99,13 @@ def _self_check(ops) -> None:
             codes = torch.randint(-127, 128, (24, 320), generator=g, dtype=torch.int8)
             scales = (torch.rand(24, 10, generator=g) + 0.5).to(dtype)
             nibbles = torch.randint(0, 16, (24, 320), generator=g, dtype=torch.uint8)
-            group_scales, zeros = (torch.rand(24, 5, generator=g) + 0.5).to(dtype), torch.randn(24, 5, generator=g).to(dtype)
+            group_scales, offsets = (torch.rand(24, 5, generator=g) + 0.5).to(dtype), torch.randn(24, 5, generator=g).to(dtype)
             int8 = codes.double() * scales.double().repeat_interleave(32, dim=1)
-            int4 = ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None]
-                    + zeros.double()[..., None]).flatten(-2)
+            int4 = (nibbles.double().unflatten(-1, (5, 64)) * group_scales.double()[..., None]
+                    + offsets.double()[..., None]).flatten(-2)
             checks += [
                 (ops.linear_int8(x, pack_int8(codes), interleave_rows(scales)), xq @ int8.t()),
-                (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(zeros)), xq @ int4.t()),
+                (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(offsets)), xq @ int4.t()),
             ]
         for got, expected in checks:
             if got.dtype != dtype or not torch.allclose(got.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3):

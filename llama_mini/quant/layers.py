@@ -16,11 +16,13 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   same bytes per weight with bf16 or fp16 scales: a block's scale follows the few weights it
   covers, where one scale per row must span the row's largest.
 - int4: groups of `group_size` consecutive inputs of a row (default 32, llama.cpp's Q4_0 block),
-  asymmetric: w ~= (q - 8) * scale + zero, q in [0, 15], where zero is the value code 8 stands
+  asymmetric: w ~= q * scale + offset, q in [0, 15], where offset is the value code 0 stands
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
-  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters.
+  [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters. It is
+  llama.cpp's own formula for Q4_1 and Q4_K (and Q4_0's, with offset -8 scale), so their blocks
+  are carried over exactly (gguf_blocks.py).
 
-Codes, scales and zeros are held in the layout of layout.py where the shape allows it: rows in
+Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
 holds its rows plainly instead (hold_plain_rows), and under torch.compile a decoding step's
 product is then one reduction over the codes (one_row), which the compiler turns into a single
@@ -83,8 +85,12 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
-        layer = cls(weight.shape[1], weight.shape[0], weight.dtype, weight.device)
-        codes, scales = quantize_int8(weight)
+        return cls.from_codes(*quantize_int8(weight))
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
+        """The layer of int8 codes (out, in) and scales (out, blocks of 32 inputs)."""
+        layer = cls(codes.shape[1], codes.shape[0], scales.dtype, device="meta")
         layer.weight, layer.scales = (pack_int8(codes), interleave_rows(scales)) if layer.rows_of_8 else (codes, scales)
         return layer
 
@@ -104,6 +110,16 @@ class Int8Linear(nn.Module):
         else:  # each block of codes times its scale, in one operation
             w = torch.mul(codes.view(self.out_features, -1, BLOCK), scales[..., None]).view(self.out_features, self.in_features)
         return w.to(dtype or self.scales.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in the scales' dtype, dequantizing those rows only."""
+        if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
+            codes = self.weight.view(-1, self.in_features // 4, ROW_SET, 4)[ids // ROW_SET, :, ids % ROW_SET]
+            scales = self.scales.view(len(self.scales), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
+        else:
+            codes, scales = self.weight[ids], self.scales[ids]
+        w = codes.reshape(len(ids), -1).float()
+        return (w.view(len(ids), -1, BLOCK) * scales.float()[..., None]).view(len(ids), -1).to(scales.dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes (out_features, in_features) and scales (out_features, blocks) from now on."""
@@ -145,7 +161,7 @@ class Int8Linear(nn.Module):
 
 class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
-    each with a scale and a zero, rows in sets of eight (layout.py) or, once hold_plain_rows is
+    each with a scale and an offset, rows in sets of eight (layout.py) or, once hold_plain_rows is
     called, plain rows of two codes a byte."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
@@ -157,43 +173,61 @@ class Int4Linear(nn.Module):
         sets, groups = out_features // ROW_SET, in_features // group_size
         self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
-        self.register_buffer("zeros", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
+        self.register_buffer("offsets", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
-        layer = cls(weight.shape[1], weight.shape[0], group_size, weight.dtype, weight.device)
-        codes, scales, zeros = quantize_int4(weight, group_size)
-        layer.weight, layer.scales, layer.zeros = pack_int4(codes), interleave_rows(scales), interleave_rows(zeros)
+        check_int4_shape(weight.shape[1], weight.shape[0], group_size)
+        return cls.from_codes(*quantize_int4(weight, group_size), group_size)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+                   group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
+        """The layer of codes 0..15 as uint8 (out, in) and scales and offsets (out, in / group_size)."""
+        layer = cls(codes.shape[1], codes.shape[0], group_size, scales.dtype, device="meta")
+        layer.weight, layer.scales, layer.offsets = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
         return layer
 
     def codes(self) -> torch.Tensor:
         """The codes 0..15 as uint8 (out_features, in_features)."""
         return unpack_int4(self.weight) if self.rows_of_8 else unpack_int4_rows(self.weight)
 
-    def group_scales_and_zeros(self):
-        """(scales, zeros), each (out_features, groups)."""
+    def group_scales_and_offsets(self):
+        """(scales, offsets), each (out_features, groups)."""
         if not self.rows_of_8:
-            return self.scales, self.zeros
-        return deinterleave_rows(self.scales), deinterleave_rows(self.zeros)
+            return self.scales, self.offsets
+        return deinterleave_rows(self.scales), deinterleave_rows(self.offsets)
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        """W (out_features, in_features), computed in float32 as (q - 8) * scale + zero, in dtype
+        """W (out_features, in_features), computed in float32 as q * scale + offset, in dtype
         (default: the scales'), group by group."""
-        scales, zeros = self.group_scales_and_zeros()
-        w = torch.add(self.codes().view(self.out_features, -1, self.group_size), -8.0)
-        w.mul_(scales.float()[..., None]).add_(zeros.float()[..., None])
+        scales, offsets = self.group_scales_and_offsets()
+        w = self.codes().view(self.out_features, -1, self.group_size).float()
+        w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
         return w.view(self.out_features, self.in_features).to(dtype or scales.dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in the scales' dtype, dequantizing those rows only."""
+        if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
+            words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
+            codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
+            scales, offsets = (t.view(len(t), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET] for t in (self.scales, self.offsets))
+        else:
+            codes, scales, offsets = unpack_int4_rows(self.weight[ids]), self.scales[ids], self.offsets[ids]
+        w = codes.reshape(len(ids), -1, self.group_size).float()
+        w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
+        return w.view(len(ids), -1).to(scales.dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes two a byte (out_features, in_features / 2, layout.pack_int4_rows), scales and
-        zeros (out_features, groups) from now on."""
+        offsets (out_features, groups) from now on."""
         if self.rows_of_8:
-            codes, (self.scales, self.zeros) = self.codes(), self.group_scales_and_zeros()
+            codes, (self.scales, self.offsets) = self.codes(), self.group_scales_and_offsets()
             self.weight, self.rows_of_8 = pack_int4_rows(codes), False
 
     def one_row(self, xq: torch.Tensor) -> torch.Tensor:
         """xq W^T for one row xq (in_features) of quantized activations, held in plain rows, in
-        float32: per group, sum((q - 8) x) scale + sum(x) zero, with sum(q x) taken over each
+        float32: per group, sum(q x) scale + sum(x) offset, with sum(q x) taken over each
         block's low and high nibbles side by side, as int8's halves; by words where torch's CPU
         code is AVX2 and in_features % 64 == 0."""
         if xq.is_cpu and CODES_AS_WORDS and self.in_features % 64 == 0:
@@ -203,12 +237,12 @@ class Int4Linear(nn.Module):
         x = stored(xq, (1, groups, self.group_size // BLOCK, 2, BLOCK // 2))
         products = ((nibbles & 0x0F).float() * x[..., 0, :] + (nibbles >> 4).float() * x[..., 1, :]).sum((2, 3))
         x_sums = x.sum((2, 3, 4))
-        return ((products - 8 * x_sums) * self.scales.float() + x_sums * self.zeros.float()).sum(1)
+        return (products * self.scales.float() + x_sums * self.offsets.float()).sum(1)
 
     def one_row_by_words(self, xq: torch.Tensor) -> torch.Tensor:
         """one_row with the codes read as int32 words, eight a vector (64 inputs): byte j of word
         i of a block holds inputs 4i + j (low nibble) and 16 + 4i + j (high), and each word's
-        products take its group's scale; sum over (q - 8) x scale + x zero, as one_row."""
+        products take its group's scale; sum over q x scale + x offset, as one_row."""
         n, k, group = self.out_features, self.in_features, self.group_size
         words = self.weight.view(torch.int32).view(n, k // 64, 8)
         x = stored(xq.reshape(k // BLOCK, 2, 4, 4).permute(1, 3, 0, 2), (2, 4, k // 64, 8))  # nibble, byte, words
@@ -216,14 +250,14 @@ class Int4Linear(nn.Module):
         products = sum(((words >> 8 * j) & 0x0F).float() * x[0, j] + ((words >> 8 * j + 4) & 0x0F).float() * x[1, j]
                        for j in range(4))
         x_sums = stored(xq, (k // group, group)).sum(1)
-        return (products * scales).sum((1, 2)) + ((self.zeros.float() - 8 * self.scales.float()) * x_sums).sum(1)
+        return (products * scales).sum((1, 2)) + (self.offsets.float() * x_sums).sum(1)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.rows_of_8:
-            scales, zeros = self.group_scales_and_zeros()
+            scales, offsets = self.group_scales_and_offsets()
             destination.update({prefix + "weight": pack_int4(self.codes()), prefix + "scales": interleave_rows(scales),
-                                prefix + "zeros": interleave_rows(zeros)})
+                                prefix + "offsets": interleave_rows(offsets)})
 
     def forward(self, x):
         return quantized_linear(self, x)
@@ -276,10 +310,24 @@ def quantize_int8(weight: torch.Tensor):
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int):
-    """(codes 0..15 as uint8 (out, in), scales, zeros (out, in // group_size) in weight's dtype)."""
+    """(codes 0..15 as uint8 (out, in), scales, offsets (out, in // group_size) in weight's dtype).
+    The codes are computed with the scales and offsets as stored."""
     groups = weight.float().unflatten(-1, (-1, group_size))
     low, high = groups.amin(-1), groups.amax(-1)
     scales = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
-    zeros = (low + 8 * scales.float()).to(weight.dtype)
-    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]) + 8
-    return codes.clamp(0, 15).to(torch.uint8).flatten(-2), scales, zeros
+    offsets = low.to(weight.dtype)
+    codes = torch.round((groups - offsets.float()[..., None]) / scales.float()[..., None])
+    return codes.clamp(0, 15).to(torch.uint8).flatten(-2), scales, offsets
+
+
+class QuantizedEmbedding(nn.Module):
+    """A token embedding whose table is an integer layer's rows (int8 or int4, as a GGUF file
+    holds it): looking tokens up dequantizes their rows only. With a tied head the table is the
+    head itself, one copy of the codes for both."""
+
+    def __init__(self, table: nn.Module):
+        super().__init__()
+        self.table = table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table.rows(tokens.flatten()).view(*tokens.shape, -1)

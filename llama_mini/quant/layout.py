@@ -5,13 +5,13 @@ eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
 and 8c + 4 + u in its high nibble. The scales (int8's per block of 32 inputs, int4's per group)
-and int4's zeros likewise hold the eight rows of a set side by side. Loading a checkpoint is
+and int4's offsets likewise hold the eight rows of a set side by side. Loading a checkpoint is
 then a plain read.
 
 Off the kernels the layers hold their rows plainly instead (layers.py), the layout the loops
 torch.compile writes read in order: int8 codes (n, k), and int4 codes two to a byte, byte j of
 each block of 32 inputs holding input j in its low nibble and input 16 + j in its high one
-(llama.cpp's Q4_0 order), with the scales and zeros one row each.
+(llama.cpp's Q4_0 order), with the scales and offsets one row each.
 """
 
 import torch

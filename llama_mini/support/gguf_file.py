@@ -210,13 +210,27 @@ class GGUFFile:
         out = torch.empty(info.shape, dtype=dtype or torch.float32)
         if info.numel == 0:
             return out
-        rows = out.view(-1, info.shape[-1])
-        blocks = np.frombuffer(self.map, np.uint8, info.nbytes, info.start).reshape(len(rows), -1)
+        rows, blocks = out.view(-1, info.shape[-1]), self.blocks(name)
         step = max(1, _CHUNK_ELEMENTS // rows.shape[1])
         with np.errstate(all="ignore"):  # a block may hold inf or NaN scales; the values say so, not a warning
             for i in range(0, len(rows), step):
                 rows[i : i + step] = torch.from_numpy(quants.dequantize(blocks[i : i + step], info.type))
         return out
+
+
+    def blocks(self, name: str) -> np.ndarray:
+        """A quantized tensor's bytes as stored: uint8 (rows, bytes per row), a view of the mapped file."""
+        info = self.tensors[name]
+        rows = info.numel // info.shape[-1] if info.numel else 0
+        return np.frombuffer(self.map, np.uint8, info.nbytes, info.start).reshape(rows, -1)
+
+    def release(self, name: str) -> None:
+        """Drop the pages of a tensor read into a copy of its own: its bytes leave this process's
+        memory (they are read from the file again should they be touched)."""
+        info, page = self.tensors[name], mmap.PAGESIZE
+        first, end = -(-info.start // page) * page, (info.start + info.nbytes) // page * page
+        if end > first:
+            self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
 def check_llama(fields: dict, source) -> None:

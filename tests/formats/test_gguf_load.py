@@ -153,7 +153,7 @@ def test_mixed_file_holds_every_type_the_loader_reads(mixed):
 
 def test_every_tensor_is_gguf_quants_own_dequantization_of_its_bytes(mixed):
     path, tensors = mixed
-    ours = load_checkpoint(path).state_dict()
+    ours = load_checkpoint(path, dtype=torch.float32).state_dict()
     for name, (stored, kind) in tensors.items():
         tensor = ours[from_format(name, "gguf")]
         expected = torch.from_numpy(np.array(gguf.quants.dequantize(stored, kind), dtype=np.float32))
@@ -161,13 +161,13 @@ def test_every_tensor_is_gguf_quants_own_dequantization_of_its_bytes(mixed):
 
 
 def test_logits_equal_transformers_reading_of_the_same_file(mixed):
-    ours, theirs = logits(load_checkpoint(mixed[0])), logits(transformers_model(mixed[0]))
+    ours, theirs = logits(load_checkpoint(mixed[0], dtype=torch.float32)), logits(transformers_model(mixed[0]))
     assert ours.abs().amax() > 1  # the random blocks make a model with real logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4 * ours.abs().amax().item())
 
 
 def test_quantized_blocks_are_dequantized_to_the_dtype_asked_for(mixed):
-    full, half = load_checkpoint(mixed[0]), load_checkpoint(mixed[0], dtype=torch.bfloat16)
+    full, half = load_checkpoint(mixed[0], dtype=torch.float32), load_checkpoint(mixed[0], dtype=torch.bfloat16)
     for name, tensor in half.state_dict().items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, full.state_dict()[name].to(torch.bfloat16)), name
 
@@ -176,8 +176,8 @@ def test_quantize_at_load_gives_llama_minis_own_layers(mixed):
     model = load_checkpoint(mixed[0], quantize="int8")
     assert sum(isinstance(m, Int8Linear) for m in model.modules()) == 7 * 2 + 1
     assert model.quantization["method"] == "int8"
-    spread = logits(load_checkpoint(mixed[0])).std()
-    assert (logits(model) - logits(load_checkpoint(mixed[0]))).abs().amax() < 0.1 * spread
+    dequantized = logits(load_checkpoint(mixed[0], dtype=torch.float32))
+    assert (logits(model) - dequantized).abs().amax() < 0.1 * dequantized.std()
 
 
 # --- q and k rows: a file converted from Hugging Face as llama.cpp converts it ------------------
@@ -297,19 +297,32 @@ def test_linear_scaling_by_one_is_no_scaling(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
-def test_a_quantized_file_loads_in_about_its_dequantized_size(tmp_path):
-    """A Q4_0 file of 29M weights (112 MiB in float32, a 16 MiB file): loading raises the peak
-    memory by the float32 weights, the file's own pages and a few MiB, under 1.5x the weights,
-    so each tensor is dequantized into its place once (a second copy of the weights, as
-    dequantizing everything and then converting makes, would be 2x)."""
+@pytest.mark.parametrize("kind", [T.Q4_0, T.Q8_0])
+def test_a_quantized_file_loads_in_about_its_own_size_or_its_dequantized_size_asked(tmp_path, kind):
+    """A file of 29M weights (112 MiB in float32; Q4_0 16 MiB, Q8_0 30 MiB). At its own
+    precision, loading raises the peak memory by the bytes the model holds (int4 with float32
+    scales and offsets is 1.33x Q4_0's bytes, int8 1.06x Q8_0's) and at most 20 MiB more (imports, threads):
+    each tensor's pages are dropped once converted, and no float copy is made. Dequantized
+    (dtype float32), by the float32 weights and the file's pages, under 1.5x the weights: each
+    tensor is dequantized into its place once (a second copy would be 2x)."""
     args = ModelArgs(dim=512, n_layers=6, n_heads=8, vocab_size=4096, hidden_dim=2048, max_seq_len=64)
     generator = np.random.default_rng(0)
     with torch.device("meta"):
         shapes = {name: tuple(array.shape) for name, array in Transformer(args).state_dict().items()}
-    tensors = {to_format(name, "gguf"): (random_blocks(shape, T.Q4_0, generator), T.Q4_0) if len(shape) == 2 else
+    tensors = {to_format(name, "gguf"): (random_blocks(shape, kind, generator), kind) if len(shape) == 2 else
                (np.ones(shape, np.float32), T.F32) for name, shape in shapes.items()}
-    path = write_gguf(tmp_path / "q4.gguf", args, tensors)
+    path = write_gguf(tmp_path / "q.gguf", args, tensors)
     float_bytes = 4 * sum(np.prod(s) for s in shapes.values())
+    (own, held), (dequantized, _) = (added_peak(path, dtype) for dtype in ("None", "torch.float32"))
+    print(f"{kind.name}: file {path.stat().st_size / 2**20:.1f} MiB; at its precision the model holds {held / 2**20:.1f} "
+          f"MiB, peak +{own / 2**20:.1f} MiB; dequantized +{dequantized / 2**20:.1f} MiB")
+    assert held < {T.Q4_0: 1.34, T.Q8_0: 1.07}[kind] * path.stat().st_size and own < held + 20 * 2**20
+    assert float_bytes < dequantized < 1.5 * float_bytes, (dequantized / 2**20, float_bytes / 2**20)
+
+
+def added_peak(path, dtype: str):
+    """(how far loading path with dtype raises a fresh process's peak resident memory, the bytes
+    of the model's tensors)."""
     code = ("import torch\n"
             "from llama_mini import ModelArgs, Transformer, load_checkpoint\n"
             "import llama_mini.formats.gguf\n"
@@ -318,12 +331,12 @@ def test_a_quantized_file_loads_in_about_its_dequantized_size(tmp_path):
             "with torch.device('meta'):\n"  # torch's one-time cost of building on the meta device, before the baseline
             "    Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=8))\n"
             "before = peak()\n"
-            f"model = load_checkpoint({str(path)!r})\n"
-            "print(peak() - before)")
+            f"model = load_checkpoint({str(path)!r}, dtype={dtype})\n"
+            "tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}.values()\n"
+            "print(peak() - before, sum(t.numel() * t.element_size() for t in tensors))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
-    added = int(result.stdout.split()[-1])
-    assert float_bytes < added < 1.5 * float_bytes, (added / 2**20, float_bytes / 2**20)
+    return tuple(map(int, result.stdout.split()[-2:]))
 
 
 # --- The command lines on a GGUF file ---------------------------------------------------------

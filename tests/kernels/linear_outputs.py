@@ -14,5 +14,5 @@ def linear_outputs(ops) -> list:
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(37, 256, generator=g).to(dtype), torch.randn(72, 256, generator=g).to(dtype)
         int8, int4 = Int8Linear.from_weight(w), Int4Linear.from_weight(w)
-        outputs += [ops.linear_int8(x, int8.weight, int8.scales), ops.linear_int4(x, int4.weight, int4.scales, int4.zeros)]
+        outputs += [ops.linear_int8(x, int8.weight, int8.scales), ops.linear_int4(x, int4.weight, int4.scales, int4.offsets)]
     return outputs

@@ -63,9 +63,9 @@ def test_int8_error_is_at_most_half_a_step_of_its_block():
 
 def test_int4_known_answer_spans_each_group_from_min_to_max():
     w = torch.linspace(-1.0, 2.0, 32)[None]  # one group, 16 levels 0.2 apart from -1 to 2
-    codes, scales, zeros = quantize_int4(w, 32)
+    codes, scales, offsets = quantize_int4(w, 32)
     assert scales.item() == pytest.approx(0.2)
-    assert zeros.item() == pytest.approx(0.6)  # the value code 8 stands for: -1 + 8 * 0.2
+    assert offsets.item() == -1.0  # the value code 0 stands for: the group's minimum
     assert codes[0, 0].item() == 0 and codes[0, -1].item() == 15
 
 
@@ -73,7 +73,7 @@ def test_int4_known_answer_spans_each_group_from_min_to_max():
 def test_int4_error_is_at_most_half_a_step_of_its_group(group_size):
     w = lopsided_weight(32, 256)
     layer = Int4Linear.from_weight(w, group_size)
-    step = layer.group_scales_and_zeros()[0].repeat_interleave(group_size, dim=1)
+    step = layer.group_scales_and_offsets()[0].repeat_interleave(group_size, dim=1)
     assert ((layer.dequantize() - w).abs() <= step / 2 * (1 + 1e-5)).all()
 
 

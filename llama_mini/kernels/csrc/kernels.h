@@ -38,14 +38,14 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_bf16,
                             int y_bf16, int threads);
 
-// W int4 in groups of `group` (a multiple of 32) along k: W[i, j] = (q - 8) * scale + zero, the
-// scale and zero of j's group. n % 8 == 0: rows come in sets of eight, interleaved. For set p
+// W int4 in groups of `group` (a multiple of 32) along k: W[i, j] = q * scale + offset, the
+// scale and offset of j's group. n % 8 == 0: rows come in sets of eight, interleaved. For set p
 // and block b of 32 inputs, codes[p, b] is 128 bytes: four runs c of 32 bytes, in which bytes
 // 4j..4j+3 belong to row 8p + j, byte 4j + u holding input 8c + u of the block in its low
-// nibble and input 8c + 4 + u in its high nibble. scales and zeros are (n / 8, groups, 8):
+// nibble and input 8c + 4 + u in its high nibble. scales and offsets are (n / 8, groups, 8):
 // the eight rows of a set side by side.
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const void* scales, const void* zeros, void* y, int64_t rows, int64_t n, int64_t k,
+                            const void* scales, const void* offsets, void* y, int64_t rows, int64_t n, int64_t k,
                             int64_t group, int scales_bf16, int y_bf16, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,

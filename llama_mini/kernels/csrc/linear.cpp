@@ -411,7 +411,7 @@ struct Int8Format {
     static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t) { return int8_block(acc, isum, s.s, d); }
 };
 
-// int4, a scale and a zero per row and group of `group` inputs: run c holds inputs 8c .. 8c + 3
+// int4, a scale and an offset per row and group of `group` inputs: run c holds inputs 8c .. 8c + 3
 // in its low nibbles, 8c + 4 .. 8c + 7 in its high.
 struct Int4Format {
     static constexpr int RUNS = 4;
@@ -422,10 +422,10 @@ struct Int4Format {
         int32_t low, high;  // four activations each
     };
     struct Scales {
-        Floats16 s, zero_offsets;
+        Floats16 s, offsets;
     };
     const void* scales;
-    const void* zeros;
+    const void* offsets;
     bool bf16;
     int64_t groups, per_group;  // blocks per group
 
@@ -439,11 +439,10 @@ struct Int4Format {
     static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return u4_dot(u4_dot(acc, w.low, x.low), w.high, x.high); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
         const int64_t g = b / per_group;
-        const Floats16 s = set_pair_scales(scales, bf16, first, second, groups, g);
-        return {s, int4_zero_offsets(s, set_pair_scales(zeros, bf16, first, second, groups, g))};
+        return {set_pair_scales(scales, bf16, first, second, groups, g), set_pair_scales(offsets, bf16, first, second, groups, g)};
     }
     static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t activation_sum) {
-        return int4_block(acc, isum, s.s, s.zero_offsets, d, activation_sum);
+        return int4_block(acc, isum, s.s, s.offsets, d, activation_sum);
     }
 };
 
@@ -601,9 +600,9 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
 }
 
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const void* scales, const void* zeros, void* y, int64_t rows, int64_t n, int64_t k,
+                            const void* scales, const void* offsets, void* y, int64_t rows, int64_t n, int64_t k,
                             int64_t group, int scales_bf16, int y_bf16, int threads) {
-    integer_linear({xq, xd, xsum}, Int4Format{scales, zeros, scales_bf16 != 0, k / group, group / BLOCK}, codes, y, rows,
+    integer_linear({xq, xd, xsum}, Int4Format{scales, offsets, scales_bf16 != 0, k / group, group / BLOCK}, codes, y, rows,
                    n, k, y_bf16, threads);
 }
 

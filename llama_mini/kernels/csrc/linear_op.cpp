@@ -110,18 +110,18 @@ at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     return call.y;
 }
 
-at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& zeros) {
+at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
                 "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
     const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
     const int64_t width = scales.dim() == 2 ? scales.size(1) : 0;  // groups * 8
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && (k == 0 || width >= 8) && width % 8 == 0 &&
-                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == zeros.sizes() &&
-                    scales.is_contiguous() && zeros.is_contiguous() && scales.scalar_type() == zeros.scalar_type(),
-                "llama_mini::linear_int4: scales and zeros (rows / 8, groups * 8), groups a multiple of 32 inputs");
+                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == offsets.sizes() &&
+                    scales.is_contiguous() && offsets.is_contiguous() && scales.scalar_type() == offsets.scalar_type(),
+                "llama_mini::linear_int4: scales and offsets (rows / 8, groups * 8), groups a multiple of 32 inputs");
     const IntegerCall call = integer_call(x, scales, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr(), zeros.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
+                  scales.const_data_ptr(), offsets.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
                   k == 0 ? 32 : k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
     return call.y;
 }
@@ -134,7 +134,7 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor zeros) -> Tensor");
+    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);

@@ -289,22 +289,19 @@ inline int32_t four_bytes(const int8_t* p) {
 //
 // Per block b of 32 inputs, with d the activations' scale and isum the exact integer sum:
 //   int8:  acc += isum * (s_b * d)                           s_b the weight's scale for the block
-//   int4:  acc += isum * (s_g * d);  acc += (d * xsum) * (z_g - 8 s_g)   group g's scale and zero
+//   int4:  acc += isum * (s_g * d);  acc += (d * xsum) * o_g            group g's scale and offset
 // in this order, blocks in order, each step one rounding of float32 (fused multiply-adds).
 
 inline Floats16 int8_block(Floats16 acc, Ints16 isum, Floats16 scales, float d) {
     return fma(to_float(isum), mul(scales, Floats16::all(d)), acc);
 }
 
-inline Floats16 int4_block(Floats16 acc, Ints16 isum, Floats16 scales, Floats16 zero_offsets, float d, int32_t xsum) {
+inline Floats16 int4_block(Floats16 acc, Ints16 isum, Floats16 scales, Floats16 offsets, float d, int32_t xsum) {
     acc = fma(to_float(isum), mul(scales, Floats16::all(d)), acc);
-    return fma(Floats16::all(d * static_cast<float>(xsum)), zero_offsets, acc);
+    return fma(Floats16::all(d * static_cast<float>(xsum)), offsets, acc);
 }
 
-// z - 8 s: what code 0 stands for, less nothing; the offset each block's activation sum meets.
-inline Floats16 int4_zero_offsets(Floats16 scales, Floats16 zeros) { return fnma(Floats16::all(8.0f), scales, zeros); }
-
-// The scales (or zeros) of sets `first` and `second` for group g: (sets, groups, 8) interleaved.
+// The scales (or offsets) of sets `first` and `second` for group g: (sets, groups, 8) interleaved.
 inline Floats16 set_pair_scales(const void* scales, bool bf16, int64_t first, int64_t second, int64_t groups, int64_t g) {
     return Floats16::join(load8(scales, (first * groups + g) * 8, bf16), load8(scales, (second * groups + g) * 8, bf16));
 }

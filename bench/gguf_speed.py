@@ -1,0 +1,164 @@
+"""A GGUF file run by llama_mini and by llama.cpp side by side: peak memory, load time, prompt
+and decoding speed, each in a fresh process, on the very same file.
+
+llama_mini runs the file as generate.py does with default flags (inference.loading.load_model:
+the file's own precision, the CPU kernels where they run); llama.cpp through llama-cpp-python
+(Llama(model_path), its own threads set to the same count). Each process loads the file, reads
+a prompt of random tokens, then decodes greedily; peak memory is the process's VmHWM, less the
+same process's before loading (Python, torch or llama.cpp's library). Runs alternate between
+the two, and each figure is the best of --repeats.
+
+--make writes the files first, as a user's would be made: a model of random weights at a
+named shape, written as an F32 GGUF by llama_mini's export (with Meta's Llama-2 vocabulary),
+then quantized by llama.cpp's own quantizer to each type (Q4_K_M: Q4_K with Q6_K here and
+there, as llama-quantize makes it).
+
+    python bench/gguf_speed.py --make /tmp/gguf --shape 1B --types Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K
+    python bench/gguf_speed.py /tmp/gguf/1B-Q4_K_M.gguf /tmp/gguf/1B-Q8_0.gguf --prompt 256 --new 32
+"""
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
+from fixtures import LLAMA2_TOKENIZER  # noqa: E402
+from generate_speed import SIZES  # noqa: E402
+from gguf_parity import quantize_with_llama_cpp  # noqa: E402
+
+
+def vm(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
+def prompt_tokens(n: int, vocab_size: int) -> list:
+    return torch.randint(3, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
+    from types import SimpleNamespace
+
+    from llama_mini.formats.checkpoint import detect_format
+    from llama_mini.inference.loading import load_model
+    from llama_mini.tokenizers import open_tokenizer
+
+    torch.set_num_threads(threads)
+    before = vm("VmRSS")
+    start = time.perf_counter()
+    flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
+    model = load_model(flags, Path(path), detect_format(Path(path)), open_tokenizer(path))
+    loaded = time.perf_counter()
+    tokens = torch.tensor([prompt_tokens(prompt_len, model.args.vocab_size)])
+    with torch.inference_mode():
+        model.setup_cache(1, prompt_len + new)
+        t = time.perf_counter()
+        token = model(tokens, 0, last_only=True)[0, -1].argmax()
+        prompt_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for position in range(prompt_len, prompt_len + new):
+            token = model(token.view(1, 1), position)[0, -1].argmax()
+        decode_s = time.perf_counter() - t
+    return {"load_s": loaded - start, "prompt_tok_s": prompt_len / prompt_s, "decode_tok_s": new / decode_s,
+            "peak": vm("VmHWM") - before}
+
+
+def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
+    import llama_cpp
+    import numpy as np
+
+    before = vm("VmRSS")
+    start = time.perf_counter()
+    llm = llama_cpp.Llama(model_path=path, n_ctx=prompt_len + new + 8, n_batch=512, n_ubatch=512, n_threads=threads,
+                          n_threads_batch=threads, verbose=False)
+    loaded = time.perf_counter()
+    tokens = prompt_tokens(prompt_len, llm.n_vocab())
+    t = time.perf_counter()
+    llm.eval(tokens)
+    prompt_s = time.perf_counter() - t
+    t = time.perf_counter()
+    for _ in range(new):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    decode_s = time.perf_counter() - t
+    return {"load_s": loaded - start, "prompt_tok_s": prompt_len / prompt_s, "decode_tok_s": new / decode_s,
+            "peak": vm("VmHWM") - before}
+
+
+RUNNERS = {"llama_mini": run_llama_mini, "llama.cpp": run_llama_cpp}
+
+
+def in_child(runner: str, path: Path, prompt_len: int, new: int, threads: int) -> dict:
+    command = [sys.executable, __file__, "--child", runner, str(path), "--prompt", str(prompt_len), "--new", str(new),
+               "--threads", str(threads)]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
+    if result.returncode != 0:
+        sys.exit(f"{runner} on {path} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def make(folder: Path, shape: str, types: list, threads: int) -> None:
+    """A random-weight model at shape, as an F32 GGUF, then quantized by llama.cpp to each type."""
+    from llama_mini import ModelArgs, Transformer
+    from llama_mini.formats.gguf import export_gguf
+
+    folder.mkdir(parents=True, exist_ok=True)
+    f32 = folder / f"{shape}-F32.gguf"
+    if not f32.exists():
+        print(f"writing {f32} (random weights at the {shape} shape)", file=sys.stderr)
+        torch.manual_seed(0)
+        export_gguf(Transformer(ModelArgs(**SIZES[shape], vocab_size=32000, max_seq_len=2048)), f32, LLAMA2_TOKENIZER, "f32")
+    for kind in types:
+        out = folder / f"{shape}-{kind}.gguf"
+        if not out.exists():
+            print(f"quantizing to {kind} with llama.cpp", file=sys.stderr)
+            quantize_with_llama_cpp(f32, out, kind.removesuffix("_M"), pure=False, threads=threads)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("files", nargs="*", type=Path)
+    p.add_argument("--make", type=Path, help="write random-weight files of --shape in --types to this folder first")
+    p.add_argument("--shape", choices=SIZES, default="1B")
+    p.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"])
+    p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default: %(default)s)")
+    p.add_argument("--new", type=int, default=32, help="tokens decoded (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(RUNNERS[args.child](str(args.files[0]), args.prompt, args.new, args.threads)))
+        return
+    files = list(args.files)
+    if args.make:
+        make(args.make, args.shape, args.types, args.threads)
+        files += [args.make / f"{args.shape}-{kind}.gguf" for kind in args.types]
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
+          f"{args.threads} threads; prompt {args.prompt} tokens, {args.new} decoded; best of {args.repeats}\n")
+    print("| file | MB | | peak memory (x file) | load s | prompt tok/s | decode tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for path in files:
+        best = {}
+        for _ in range(args.repeats):
+            for runner in RUNNERS:
+                r = in_child(runner, path, args.prompt, args.new, args.threads)
+                old = best.setdefault(runner, r)
+                best[runner] = {key: (min if key in ("load_s", "peak") else max)(old[key], r[key]) for key in r}
+        size = path.stat().st_size
+        for runner, r in best.items():
+            print(f"| {path.name} | {size / 1e6:,.0f} | {runner} | {r['peak'] / 1e6:,.0f} MB ({r['peak'] / size:.2f}x) | "
+                  f"{r['load_s']:.2f} | {r['prompt_tok_s']:,.1f} | {r['decode_tok_s']:.1f} |")
+        ours, theirs = best["llama_mini"], best["llama.cpp"]
+        print(f"| | | llama_mini / llama.cpp | {ours['peak'] / theirs['peak']:.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
+              f"{ours['prompt_tok_s'] / theirs['prompt_tok_s']:.2f} | {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""A GGUF file at its own precision: each quantized matrix becomes an int8 or int4 layer as it is
+read (llama_mini/quant/gguf_blocks.py), checked against gguf.quants, llama.cpp's own
+dequantization in numpy, and against the same file dequantized to float32."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from gguf_files import gguf_names, write_gguf
+from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
+from llama_mini.formats.names import from_format
+from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
+from llama_mini.quant.gguf_blocks import layer_from_blocks
+from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
+
+EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear}
+REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K)
+SHAPE = (48, 512)
+
+
+def blocks_of(kind, shape, seed=0) -> np.ndarray:
+    """Blocks of kind for a matrix of shape: gguf's own quantizer of normal weights where it has
+    one; else random bytes with each block's 16-bit float scales set to small positive values
+    (the rest, codes and sub-block scales, every bit pattern)."""
+    generator = np.random.default_rng(seed)
+    try:
+        return gguf.quants.quantize(generator.standard_normal(shape).astype(np.float32), kind)
+    except NotImplementedError:
+        pass
+    block, size = GGML_QUANT_SIZES[kind]
+    data = generator.integers(0, 256, (shape[0], shape[1] // block, size), dtype=np.uint8)
+    scales = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q2_K: (size - 4, size - 2), T.Q3_K: (size - 2,), T.Q6_K: (size - 2,)}[kind]
+    for at in scales:  # d (and dmin): float16 in [1e-3, 1e-2)
+        data[..., at : at + 2] = generator.uniform(1e-3, 1e-2, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(shape[0], -1)
+
+
+def files_weights(kind, blocks, shape) -> torch.Tensor:
+    return torch.from_numpy(gguf.quants.dequantize(blocks, kind)).view(shape)
+
+
+@pytest.mark.parametrize("kind", list(EXACT), ids=lambda kind: kind.name)
+def test_exact_types_carry_the_files_weights_value_for_value(kind):
+    blocks = blocks_of(kind, SHAPE)
+    layer = layer_from_blocks(kind, blocks, SHAPE)
+    expected = files_weights(kind, blocks, SHAPE)
+    assert type(layer) is EXACT[kind] and layer.scales.dtype == torch.float32
+    assert expected.abs().amax() > 0 and torch.equal(layer.dequantize(), expected)
+    if kind != T.Q8_0:  # every code the type has is used (Q8_0's range is the quantizer's)
+        assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16}[type(layer)]
+
+
+@pytest.mark.parametrize("kind", REQUANTIZED, ids=lambda kind: kind.name)
+def test_other_types_are_int8_within_half_a_step_of_the_files_weights(kind):
+    blocks = blocks_of(kind, SHAPE)
+    layer = layer_from_blocks(kind, blocks, SHAPE)
+    expected = files_weights(kind, blocks, SHAPE)
+    step = layer.block_scales().repeat_interleave(32, dim=1)
+    assert type(layer) is Int8Linear and ((layer.dequantize() - expected).abs() <= step / 2 * (1 + 1e-5)).all()
+    relative = ((layer.dequantize() - expected).pow(2).mean() / expected.pow(2).mean()).sqrt()
+    assert 0 < relative < 0.01  # int8 of 5-, 6-bit or coarser weights: under 1% of their rms
+
+
+def test_a_matrix_without_sets_of_eight_rows_takes_int8_exactly_for_q4_0():
+    shape = (20, 64)
+    blocks = blocks_of(T.Q4_0, shape)
+    layer = layer_from_blocks(T.Q4_0, blocks, shape)
+    assert type(layer) is Int8Linear and (layer.dequantize() - files_weights(T.Q4_0, blocks, shape)).abs().amax() < 0.1
+
+
+def test_rows_are_converted_a_chunk_at_a_time_as_whole(monkeypatch):
+    """A chunk of 8 rows at a time gives the layer of the whole matrix at once."""
+    import llama_mini.quant.gguf_blocks as gguf_blocks
+
+    blocks = blocks_of(T.Q4_K, SHAPE)
+    whole = layer_from_blocks(T.Q4_K, blocks, SHAPE)
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_ELEMENTS", 1)
+    chunked = layer_from_blocks(T.Q4_K, blocks, SHAPE)
+    assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), chunked.state_dict().values()))
+
+
+# --- A whole file ----------------------------------------------------------------------------
+
+ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, hidden_dim=512, max_seq_len=64)
+# Q4_K_M's mix (Q4_K, Q6_K for the head and half of attn_v and ffn_down), with every other type once.
+TYPES = {
+    "token_embd.weight": T.Q4_K, "output.weight": T.Q6_K,
+    "blk.0.attn_q.weight": T.Q4_K, "blk.0.attn_k.weight": T.Q4_K, "blk.0.attn_v.weight": T.Q6_K,
+    "blk.0.attn_output.weight": T.Q4_K, "blk.0.ffn_gate.weight": T.Q4_K, "blk.0.ffn_down.weight": T.Q6_K,
+    "blk.0.ffn_up.weight": T.Q4_K, "blk.1.attn_q.weight": T.Q8_0, "blk.1.attn_k.weight": T.Q4_0,
+    "blk.1.attn_v.weight": T.Q4_1, "blk.1.attn_output.weight": T.Q5_0, "blk.1.ffn_gate.weight": T.Q5_K,
+    "blk.1.ffn_down.weight": T.F16, "blk.1.ffn_up.weight": T.Q3_K,
+}
+PROMPT = torch.tensor([[1, 5, 90, 17, 250, 33, 7, 100, 3, 3, 200, 41]])
+
+
+def write_file(path, types, args=ARGS):
+    tensors = {}
+    for i, (name, array) in enumerate(gguf_names(Transformer(args)).items()):
+        kind = types.get(name, T.F32)
+        if kind == T.F32:
+            tensors[name] = (array if array.ndim == 2 else np.random.default_rng(i).uniform(0.5, 1.5, array.shape)
+                             .astype(np.float32), kind)
+        elif kind == T.F16:
+            tensors[name] = (array.astype(np.float16), kind)
+        else:
+            tensors[name] = (blocks_of(kind, array.shape, seed=i), kind)
+    return write_gguf(path, args, tensors), tensors
+
+
+@pytest.fixture(scope="module")
+def q4_k_m(tmp_path_factory):
+    return write_file(tmp_path_factory.mktemp("blocks") / "model-Q4_K_M.gguf", TYPES)
+
+
+def test_a_quantized_file_loads_at_its_own_precision_without_flags(q4_k_m):
+    path, tensors = q4_k_m
+    model = load_checkpoint(path)
+    for name, (_, kind) in tensors.items():
+        ours = from_format(name, "gguf").removesuffix(".weight")
+        layer = model.get_submodule(ours)
+        if ours == "tok_embeddings":
+            assert isinstance(layer, QuantizedEmbedding) and type(layer.table) is Int4Linear
+        elif kind in EXACT:
+            assert type(layer) is EXACT[kind], name
+        elif kind in REQUANTIZED:
+            assert type(layer) is Int8Linear, name
+        elif layer.weight.dim() == 2:  # F16 and F32 matrices stay float
+            assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32, name
+    assert model.quantization["method"] == "gguf" and "Q4_K as int4" in model.quantization["held"]
+    assert all(not t.is_meta for t in (*model.parameters(), *model.buffers()))
+
+
+def test_each_layer_holds_the_files_weights(q4_k_m):
+    path, tensors = q4_k_m
+    model = load_checkpoint(path)
+    for name, (stored, kind) in tensors.items():
+        ours = from_format(name, "gguf").removesuffix(".weight")
+        if kind not in EXACT:
+            continue
+        layer = model.get_submodule(ours)
+        layer = layer.table if isinstance(layer, QuantizedEmbedding) else layer
+        assert torch.equal(layer.dequantize(), files_weights(kind, stored, layer.dequantize().shape)), name
+
+
+def test_looking_up_tokens_gives_the_files_embedding_rows(q4_k_m):
+    path, tensors = q4_k_m
+    table = files_weights(T.Q4_K, tensors["token_embd.weight"][0], (ARGS.vocab_size, ARGS.dim))
+    embedding = load_checkpoint(path).tok_embeddings
+    assert torch.equal(embedding(PROMPT), table[PROMPT])
+    embedding.table.hold_plain_rows()  # as off the kernels
+    assert torch.equal(embedding(PROMPT), table[PROMPT])
+
+
+def test_logits_are_the_dequantized_files_to_within_the_activations_rounding(q4_k_m):
+    """The integer layers round their inputs to int8 in blocks of 32 (llama.cpp's Q8_0
+    activations): the logits are the float32 model's to within that, and on the CPU kernels
+    they are model.py's own code's to float tolerance."""
+    blocks, dequantized = load_checkpoint(q4_k_m[0]), load_checkpoint(q4_k_m[0], dtype=torch.float32)
+    with torch.inference_mode():
+        ours, reference = blocks(PROMPT), dequantized(PROMPT)
+        assert ((ours - reference).pow(2).mean() / reference.var()).sqrt() < 0.05
+        assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
+        fast = use_cpu_kernels(use_fused_rmsnorm(blocks))
+        if on_kernels(fast):
+            torch.testing.assert_close(fast(PROMPT), ours, rtol=1e-4, atol=1e-4 * ours.abs().amax().item())
+
+
+def test_a_tied_head_is_the_embeddings_table_one_copy(tmp_path):
+    args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
+    path, tensors = write_file(tmp_path / "tied.gguf", {name: T.Q8_0 for name in TYPES if name != "output.weight"}, args)
+    model = load_checkpoint(path)
+    assert model.output is model.tok_embeddings.table and type(model.output) is Int8Linear
+    with torch.inference_mode():
+        assert torch.equal(model.tok_embeddings(PROMPT), model.output.dequantize()[PROMPT])
+
+
+def test_dtype_or_quantize_still_dequantize(q4_k_m):
+    assert load_checkpoint(q4_k_m[0], dtype=torch.bfloat16).output.weight.dtype == torch.bfloat16
+    assert load_checkpoint(q4_k_m[0], quantize="int8").quantization["method"] == "int8"
+
+
+def test_saving_a_model_held_at_its_files_precision_names_convert(q4_k_m, tmp_path):
+    with pytest.raises(ValueError, match="saved by converting the file: python -m llama_mini.formats.convert"):
+        save_checkpoint(load_checkpoint(q4_k_m[0]), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
