@@ -5,7 +5,8 @@ llama_mini runs the file as generate.py does with default flags (inference.loadi
 the file's own precision, the CPU kernels where they run); llama.cpp through llama-cpp-python
 (Llama(model_path), its own threads set to the same count). Each process loads the file, reads
 a prompt of random tokens, then decodes greedily; peak memory is the process's VmHWM, less the
-same process's before loading (Python, torch or llama.cpp's library). Runs alternate between
+same process's before loading (Python, torch and the modules that read the file, or llama.cpp's
+library). Runs alternate between
 the two, and each figure is the best of --repeats.
 
 --make writes the files first, as a user's would be made: a model of random weights at a
@@ -50,7 +51,11 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
     from llama_mini.inference.loading import load_model
     from llama_mini.tokenizers import open_tokenizer
 
+    import llama_mini.formats.gguf  # noqa: F401  (the modules' one-time memory, as llama.cpp's library is before its "before")
+    from llama_mini.kernels.operators import operators
+
     torch.set_num_threads(threads)
+    operators()  # the CPU kernels' library, loaded
     before = vm("VmRSS")
     start = time.perf_counter()
     flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
