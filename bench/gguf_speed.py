@@ -10,9 +10,9 @@ library). Runs alternate between
 the two, and each figure is the best of --repeats.
 
 --make writes the files first, as a user's would be made: a model of random weights at a
-named shape, written as an F32 GGUF by llama_mini's export (with Meta's Llama-2 vocabulary),
-then quantized by llama.cpp's own quantizer to each type (Q4_K_M: Q4_K with Q6_K here and
-there, as llama-quantize makes it).
+named shape (Llama-3-8B's among them), written as an F16 GGUF a tensor at a time with Meta's
+Llama-2 vocabulary (Llama-3's at 8B), then quantized by llama.cpp's own quantizer to each type
+(Q4_K_M: Q4_K with Q6_K here and there, as llama-quantize makes it).
 
     python bench/gguf_speed.py --make /tmp/gguf --shape 1B --types Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K
     python bench/gguf_speed.py /tmp/gguf/1B-Q4_K_M.gguf /tmp/gguf/1B-Q8_0.gguf --prompt 256 --new 32
@@ -30,9 +30,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
-from fixtures import LLAMA2_TOKENIZER  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from fixtures import LLAMA2_TOKENIZER, LLAMA3_TOKENIZER  # noqa: E402
 from generate_speed import SIZES  # noqa: E402
 from gguf_parity import quantize_with_llama_cpp  # noqa: E402
+from llama_mini.tokenizers import open_tokenizer  # noqa: E402
+
+# The shapes of generate_speed.py, and Llama-3-8B's.
+SHAPES = {**SIZES, "8B": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, hidden_dim=14336, rope_theta=500000.0)}
 
 
 def vm(field: str) -> int:
@@ -108,29 +114,59 @@ def in_child(runner: str, path: Path, prompt_len: int, new: int, threads: int) -
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def write_random_gguf(path: Path, args, tokenizer: Path) -> None:
+    """An F16 GGUF of a model of random weights (N(0, 0.02) matrices, unit norms) at args' shape,
+    written a tensor at a time: an 8B model's 16 GB without ever holding it."""
+    import gguf
+    import numpy as np
+
+    from llama_mini import Transformer
+    from llama_mini.formats.gguf import write_hyperparameters, write_vocabulary
+    from llama_mini.formats.names import to_format
+
+    with torch.device("meta"):
+        shapes = {to_format(name, "gguf"): tuple(t.shape) for name, t in Transformer(args).state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    write_hyperparameters(writer, args, gguf.LlamaFileType.MOSTLY_F16)
+    write_vocabulary(writer, tokenizer, args.vocab_size)
+    dtypes = {name: np.float16 if len(shape) == 2 else np.float32 for name, shape in shapes.items()}
+    for name, shape in shapes.items():
+        nbytes = int(np.prod(shape)) * np.dtype(dtypes[name]).itemsize
+        writer.add_tensor_info(name, shape, np.dtype(dtypes[name]), nbytes)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    generator = np.random.default_rng(0)
+    for name, shape in tqdm(shapes.items(), desc=f"writing {path.name}", unit="tensor"):
+        if len(shape) == 2:
+            writer.write_tensor_data((generator.standard_normal(shape, np.float32) * 0.02).astype(np.float16))
+        else:
+            writer.write_tensor_data(np.ones(shape, np.float32))
+    writer.close()
+
+
 def make(folder: Path, shape: str, types: list, threads: int) -> None:
-    """A random-weight model at shape, as an F32 GGUF, then quantized by llama.cpp to each type."""
-    from llama_mini import ModelArgs, Transformer
-    from llama_mini.formats.gguf import export_gguf
+    """A random-weight model at shape, as an F16 GGUF, then quantized by llama.cpp to each type."""
+    from llama_mini import ModelArgs
 
     folder.mkdir(parents=True, exist_ok=True)
-    f32 = folder / f"{shape}-F32.gguf"
-    if not f32.exists():
-        print(f"writing {f32} (random weights at the {shape} shape)", file=sys.stderr)
-        torch.manual_seed(0)
-        export_gguf(Transformer(ModelArgs(**SIZES[shape], vocab_size=32000, max_seq_len=2048)), f32, LLAMA2_TOKENIZER, "f32")
+    f16 = folder / f"{shape}-F16.gguf"
+    if not f16.exists():
+        vocabulary = LLAMA3_TOKENIZER if shape == "8B" else LLAMA2_TOKENIZER
+        size = dict(vocab_size=open_tokenizer(vocabulary).n_words, max_seq_len=8192 if shape == "8B" else 2048)
+        write_random_gguf(f16, ModelArgs(**SHAPES[shape], **size), vocabulary)
     for kind in types:
         out = folder / f"{shape}-{kind}.gguf"
         if not out.exists():
             print(f"quantizing to {kind} with llama.cpp", file=sys.stderr)
-            quantize_with_llama_cpp(f32, out, kind.removesuffix("_M"), pure=False, threads=threads)
+            quantize_with_llama_cpp(f16, out, kind.removesuffix("_M"), pure=False, threads=threads)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", type=Path)
     p.add_argument("--make", type=Path, help="write random-weight files of --shape in --types to this folder first")
-    p.add_argument("--shape", choices=SIZES, default="1B")
+    p.add_argument("--shape", choices=SHAPES, default="1B")
     p.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"])
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default: %(default)s)")
     p.add_argument("--new", type=int, default=32, help="tokens decoded (default: %(default)s)")

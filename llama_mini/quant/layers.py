@@ -111,15 +111,15 @@ class Int8Linear(nn.Module):
             w = torch.mul(codes.view(self.out_features, -1, BLOCK), scales[..., None]).view(self.out_features, self.in_features)
         return w.to(dtype or self.scales.dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids of W, (len(ids), in_features) in the scales' dtype, dequantizing those rows only."""
+    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in dtype (default: the scales'), dequantizing those rows only."""
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             codes = self.weight.view(-1, self.in_features // 4, ROW_SET, 4)[ids // ROW_SET, :, ids % ROW_SET]
             scales = self.scales.view(len(self.scales), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
         else:
             codes, scales = self.weight[ids], self.scales[ids]
         w = codes.reshape(len(ids), -1).float()
-        return (w.view(len(ids), -1, BLOCK) * scales.float()[..., None]).view(len(ids), -1).to(scales.dtype)
+        return (w.view(len(ids), -1, BLOCK) * scales.float()[..., None]).view(len(ids), -1).to(dtype or scales.dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes (out_features, in_features) and scales (out_features, blocks) from now on."""
@@ -206,8 +206,8 @@ class Int4Linear(nn.Module):
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
         return w.view(self.out_features, self.in_features).to(dtype or scales.dtype)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids of W, (len(ids), in_features) in the scales' dtype, dequantizing those rows only."""
+    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in dtype (default: the scales'), dequantizing those rows only."""
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
             codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
@@ -216,7 +216,7 @@ class Int4Linear(nn.Module):
             codes, scales, offsets = unpack_int4_rows(self.weight[ids]), self.scales[ids], self.offsets[ids]
         w = codes.reshape(len(ids), -1, self.group_size).float()
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
-        return w.view(len(ids), -1).to(scales.dtype)
+        return w.view(len(ids), -1).to(dtype or scales.dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes two a byte (out_features, in_features / 2, layout.pack_int4_rows), scales and
@@ -298,13 +298,13 @@ def check_int4_shape(in_features: int, out_features: int, group_size: int) -> No
 # --- Quantizers (float weights -> codes and scales) --------------------------------------
 
 
-def quantize_int8(weight: torch.Tensor):
-    """(int8 codes (out, in), scales (out, blocks of 32 inputs) in weight's dtype). The codes are
-    computed with the scales as stored, so dequantizing gives each weight to within half a
-    (stored) scale."""
+def quantize_int8(weight: torch.Tensor, dtype=None):
+    """(int8 codes (out, in), scales (out, blocks of 32 inputs) in dtype, default weight's). The
+    codes are computed with the scales as stored, so dequantizing gives each weight to within
+    half a (stored) scale."""
     in_features = weight.shape[1]
     blocks = F.pad(weight.float(), (0, -in_features % BLOCK)).unflatten(-1, (-1, BLOCK))  # zeros change no absmax
-    scales = (blocks.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(weight.dtype)
+    scales = (blocks.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny).to(dtype or weight.dtype)
     codes = torch.round(blocks / scales.float()[..., None]).clamp(-127, 127).to(torch.int8)
     return codes.flatten(-2)[:, :in_features], scales
 
@@ -322,12 +322,12 @@ def quantize_int4(weight: torch.Tensor, group_size: int):
 
 class QuantizedEmbedding(nn.Module):
     """A token embedding whose table is an integer layer's rows (int8 or int4, as a GGUF file
-    holds it): looking tokens up dequantizes their rows only. With a tied head the table is the
-    head itself, one copy of the codes for both."""
+    holds it): looking tokens up dequantizes their rows only, to dtype (the activations'). With a
+    tied head the table is the head itself, one copy of the codes for both."""
 
-    def __init__(self, table: nn.Module):
+    def __init__(self, table: nn.Module, dtype=torch.float32):
         super().__init__()
-        self.table = table
+        self.table, self.dtype = table, dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(tokens.flatten()).view(*tokens.shape, -1)
+        return self.table.rows(tokens.flatten(), self.dtype).view(*tokens.shape, -1)
