@@ -87,6 +87,7 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
         model.compile(dynamic=True)
     if not on_kernels(model) and (notice := bfloat16_notice(device, next(model.parameters()).dtype, "--dtype")):
         print(notice, file=sys.stderr)  # on the kernels, bf16 layers multiply in float32 tiles
-    if quantization and not on_kernels(model) and (notice := quantized_notice(model, compiled=args.compile)):
+    flag = None if quantization and quantization["method"] == "gguf" else "--quantize"
+    if quantization and not on_kernels(model) and (notice := quantized_notice(model, flag, compiled=args.compile)):
         print(notice, file=sys.stderr)
     return model

@@ -86,7 +86,7 @@ def _linears(model: nn.Module, kind=nn.Linear):
 FAST_COMPILED_CPU_CODE = ("AVX512", "AVX2")
 
 
-def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool = False) -> Optional[str]:
+def quantized_notice(model: nn.Module, flag: Optional[str] = "--quantize", compiled: bool = False) -> Optional[str]:
     """One line where model's integer layers compute slower than the float layers they stand
     for, on this device, as they run, and that they save memory rather than time; None where
     they cost nothing or model holds none. Eagerly (off the CPU kernels, each call dequantizes
@@ -96,17 +96,20 @@ def quantized_notice(model: nn.Module, flag: str = "--quantize", compiled: bool 
     if layer is None:
         return None
     method = "int8" if isinstance(layer, Int8Linear) else "int4"
+    # flag None: the layers hold a GGUF file's own blocks, which --dtype float32 would dequantize
+    saves = f"{flag} {method} saves memory, not time" if flag else \
+        f"the file's {method} blocks save memory, not time (--dtype float32 spends the memory instead)"
     isa = torch.backends.cpu.get_cpu_capability()
     fast_compiled = layer.scales.device.type != "cpu" or isa in FAST_COMPILED_CPU_CODE
     if compiled:
         if fast_compiled:
             return None
         return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones "
-                f"(docs/generate_speed.md has the speeds measured): {flag} {method} saves memory, not time")
+                f"(docs/generate_speed.md has the speeds measured): {saves}")
     if (slowdown := quantized_slowdown(layer)) < 1.5:
         return None
     return (f"note: here {method} layers take {slowdown:.0f}x the time of float ones in a decoding step (off the CPU "
-            f"kernels each step dequantizes them): {flag} {method} saves memory, not time"
+            f"kernels each step dequantizes them): {saves}"
             + (", unless you add --compile" if fast_compiled else ""))
 
 

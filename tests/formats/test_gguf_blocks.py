@@ -189,3 +189,12 @@ def test_saving_a_model_held_at_its_files_precision_names_convert(q4_k_m, tmp_pa
         save_checkpoint(load_checkpoint(q4_k_m[0]), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
+
+
+def test_off_the_kernels_the_notice_names_the_files_blocks_not_a_flag(q4_k_m, monkeypatch):
+    from llama_mini.quant import quantized_notice
+
+    monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 12.0)
+    notice = quantized_notice(load_checkpoint(q4_k_m[0]), None)
+    assert notice.startswith("note: here int4 layers take 12x the time of float ones") and "--quantize" not in notice
+    assert "the file's int4 blocks save memory, not time (--dtype float32 spends the memory instead)" in notice

@@ -56,6 +56,32 @@ def test_a_full_precision_checkpoint_without_a_record_is_in_todays_layout_and_lo
         assert torch.equal(load_checkpoint(tmp_path)(tokens), model(tokens))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_format_2_int4_checkpoint_reads_its_zeros_as_offsets(tmp_path, dtype):
+    """Format 2 stored each int4 group's zero (the value code 8 stands for); format 3 its offset
+    (code 0's). A format-2 file, written here as 0.2.0 wrote it, loads as the same weights to
+    within one rounding of the scales' dtype, and its logits follow."""
+    model = quantize(tiny_model().to(dtype), "int4")
+    save_checkpoint(model, tmp_path)
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    for name in [name for name in state if name.endswith(".offsets")]:
+        layer = name[: -len("offsets")]
+        state[layer + "zeros"] = (state.pop(name).float() + 8 * state[layer + "scales"].float()).to(dtype)
+    save_file(state, tmp_path / "model.safetensors")
+    edit_config(tmp_path, lambda config: config.update(format_version=2, llama_mini_version="0.2.0"))
+    loaded = load_checkpoint(tmp_path)
+    for (name, theirs), ours in zip(model.named_modules(), loaded.modules()):
+        if hasattr(ours, "offsets"):
+            step = theirs.group_scales_and_offsets()[0].float().abs().amax().item()
+            assert (ours.dequantize(torch.float32) - theirs.dequantize(torch.float32)).abs().amax() <= \
+                step * (1e-6 if dtype == torch.float32 else 2 ** -6), name
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 9))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(tokens).float(), model(tokens).float(), rtol=0.05, atol=0.05)
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_a_quantized_checkpoint_without_a_record_is_refused_naming_the_version_and_the_fix(tmp_path, method):
     """llama_mini before 0.1.0 wrote several int8 and int4 layouts under one quantization
