@@ -16,10 +16,12 @@ Llama-2 vocabulary (Llama-3's at 8B), then quantized by llama.cpp's own quantize
 
     python bench/gguf_speed.py --make /tmp/gguf --shape 1B --types Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K
     python bench/gguf_speed.py /tmp/gguf/1B-Q4_K_M.gguf /tmp/gguf/1B-Q8_0.gguf --prompt 256 --new 32
+    LLAMA_MINI_ISA=avx2 python bench/gguf_speed.py ...     # llama_mini's AVX2 kernels, as llama.cpp's build
 """
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -87,7 +89,8 @@ def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
 
     before = vm("VmRSS")
     start = time.perf_counter()
-    llm = llama_cpp.Llama(model_path=path, n_ctx=prompt_len + new + 8, n_batch=512, n_ubatch=512, n_threads=threads,
+    context = prompt_len + new + 8  # n_batch: llama-cpp-python keeps the scores of one batch's positions
+    llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_batch=max(512, context), n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
     loaded = time.perf_counter()
     tokens = prompt_tokens(prompt_len, llm.n_vocab())
@@ -181,8 +184,9 @@ def main():
     if args.make:
         make(args.make, args.shape, args.types, args.threads)
         files += [args.make / f"{args.shape}-{kind}.gguf" for kind in args.types]
-    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}, "
-          f"{args.threads} threads; prompt {args.prompt} tokens, {args.new} decoded; best of {args.repeats}\n")
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, llama_mini's kernels built for "
+          f"{os.environ.get('LLAMA_MINI_ISA') or 'this CPU'}, {args.threads} threads; prompt {args.prompt} tokens, "
+          f"{args.new} decoded; best of {args.repeats}\n")
     print("| file | MB | | peak memory (x file) | load s | prompt tok/s | decode tok/s |")
     print("|---|---|---|---|---|---|---|")
     for path in files:
