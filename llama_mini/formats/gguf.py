@@ -33,7 +33,8 @@ from gguf import Keys
 from ..support.files import atomic_write, brief
 from ..support.gguf_file import FLOATS, GGUFFile, check_llama
 from ..model import ModelArgs, Transformer, rope_frequencies
-from ..quant.gguf_blocks import TYPES, layer_from_blocks
+from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
+from ..support.memory import check_free_memory
 from ..quant.layers import Int4Linear, QuantizedEmbedding
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
@@ -230,6 +231,10 @@ def load_gguf_blocks(path: Path):
     if all(info.type in FLOATS for info in file.tensors.values()):
         return None
     args, names = _gguf_args(file, path)
+    infos = [file.tensors[theirs] for theirs in names.values()]
+    needed = sum(4 * info.numel if info.type in FLOATS else held_bytes(info.type, info.shape) for info in infos)
+    check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
+                      "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
     with torch.device("meta"):
         model = Transformer(args)
     floats, kinds = {}, {}

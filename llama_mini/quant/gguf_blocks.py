@@ -50,6 +50,15 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
     return layer
 
 
+def held_bytes(kind: T, shape) -> int:
+    """The bytes of the layer layer_from_blocks makes of a matrix of kind and shape (out, in)."""
+    out_features, in_features = shape
+    n, blocks = out_features * in_features, out_features * -(-in_features // 32)
+    if kind in EXACT_INT4 and out_features % ROW_SET == 0:
+        return n // 2 + 2 * 4 * blocks  # codes two a byte, a float32 scale and offset per group of 32
+    return n + (4 if kind in EXACT_INT8 else 2) * blocks
+
+
 def _store_int8(layer: Int8Linear, start: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
     if layer.rows_of_8:
         layer.weight[start // ROW_SET : (start + len(codes)) // ROW_SET] = pack_int8(codes)

@@ -198,3 +198,20 @@ def test_off_the_kernels_the_notice_names_the_files_blocks_not_a_flag(q4_k_m, mo
     notice = quantized_notice(load_checkpoint(q4_k_m[0]), None)
     assert notice.startswith("note: here int4 layers take 12x the time of float ones") and "--quantize" not in notice
     assert "the file's int4 blocks save memory, not time (--dtype float32 spends the memory instead)" in notice
+
+
+def test_the_memory_the_layers_will_hold_is_checked_before_any_is_made(q4_k_m, monkeypatch):
+    """The check asks for what the loaded model holds: one byte less free is refused in one line
+    before any block is converted; exactly that much loads."""
+    import llama_mini.formats.gguf as gguf_format
+    from llama_mini.support import memory
+
+    model = load_checkpoint(q4_k_m[0])
+    held = sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}.values())
+    monkeypatch.setattr(memory, "free_bytes", lambda device: held - 1)
+    with monkeypatch.context() as m:
+        m.setattr(gguf_format, "layer_from_blocks", lambda *a: pytest.fail("a block was converted before the check"))
+        with pytest.raises(ValueError, match="model-Q4_K_M.gguf at its own precision needs at least .* and cpu has .* free"):
+            load_checkpoint(q4_k_m[0])
+    monkeypatch.setattr(memory, "free_bytes", lambda device: held)
+    assert load_checkpoint(q4_k_m[0]).quantization["method"] == "gguf"

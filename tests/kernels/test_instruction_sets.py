@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # row computed alone (not those of the build's machinery, the same for all).
 KERNEL_TESTS = ["tests/kernels/test_matvec.py", "tests/kernels/test_one_function.py", "tests/kernels/test_fused_rmsnorm.py",
                 "tests/kernels/test_fused_swiglu.py", "tests/kernels/test_fused_rope.py",
-                "tests/quant/test_quantize.py", "tests/test_speculative.py"]
+                "tests/quant/test_quantize.py", "tests/test_speculative.py", "tests/formats/test_gguf_blocks.py"]
 # The first instruction set this CPU executes is its own (the native build, which the suite ran
 # already); the others are those below it.
 BELOW_NATIVE = build.runnable_isas()[1:]
