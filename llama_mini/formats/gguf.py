@@ -32,9 +32,9 @@ from gguf import Keys
 
 from ..support.files import atomic_write, brief
 from ..support.gguf_file import FLOATS, GGUFFile, check_llama
+from ..support.memory import check_free_memory
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
-from ..support.memory import check_free_memory
 from ..quant.layers import Int4Linear, QuantizedEmbedding
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
@@ -222,16 +222,18 @@ def read_gguf(path: Path, dtype=None):
 
 def load_gguf_blocks(path: Path):
     """The model of a GGUF file at the file's precision, or None where it holds no quantized
-    tensor (read_gguf maps its float tensors as they are). Each
-    quantized matrix becomes an int8 or int4 layer as it is read (quant/gguf_blocks.py), the
-    token embedding a QuantizedEmbedding over its rows (the head's, when tied), and the float
-    tensors (the norms) float32 views of the mapped file. No float copy of a quantized matrix
-    is ever made; activations are float32."""
+    tensor (read_gguf maps its float tensors as they are). Each quantized matrix becomes an
+    int8 or int4 layer as it is read (quant/gguf_blocks.py), the token embedding a
+    QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
+    float32. No float copy of a quantized matrix is ever made; activations are float32."""
     file = GGUFFile(path)
     if all(info.type in FLOATS for info in file.tensors.values()):
         return None
     args, names = _gguf_args(file, path)
     infos = [file.tensors[theirs] for theirs in names.values()]
+    if unread := next((theirs for theirs in names.values() if file.tensors[theirs].type not in (*FLOATS, *TYPES)), None):
+        readable = ", ".join(t.name for t in (*FLOATS, *TYPES))
+        raise ValueError(f"{path} stores tensor {unread} as {file.tensors[unread].type.name}; llama_mini reads {readable}")
     needed = sum(4 * info.numel if info.type in FLOATS else held_bytes(info.type, info.shape) for info in infos)
     check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
                       "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
@@ -243,9 +245,6 @@ def load_gguf_blocks(path: Path):
         if info.type in FLOATS:
             floats[ours] = file.tensor(theirs).float()
             continue
-        if info.type not in TYPES:
-            readable = ", ".join(t.name for t in (*FLOATS, *TYPES))
-            raise ValueError(f"{path} stores tensor {theirs} as {info.type.name}; llama_mini reads {readable}")
         layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
         file.release(theirs)
         kinds.setdefault(info.type.name, "int4" if isinstance(layer, Int4Linear) else "int8")
@@ -254,10 +253,10 @@ def load_gguf_blocks(path: Path):
             layer = QuantizedEmbedding(layer)
         setattr(model.get_submodule(parent), child, layer)
     model.load_state_dict(floats, strict=False, assign=True)
-    if args.tie_embeddings:  # the head is the embedding's table, one copy of it
-        quantized = isinstance(model.tok_embeddings, QuantizedEmbedding)
-        model.output = model.tok_embeddings.table if quantized else model.output
-        if not quantized:
+    if args.tie_embeddings:  # the head is the embedding's own table, one copy of it
+        if isinstance(model.tok_embeddings, QuantizedEmbedding):
+            model.output = model.tok_embeddings.table
+        else:
             model.output.weight = model.tok_embeddings.weight
     held = ", ".join(f"{kind} as {layer}" for kind, layer in sorted(kinds.items()))
     model.quantization = {"method": "gguf", "held": f"the file's blocks ({held})"}
