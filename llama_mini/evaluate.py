@@ -30,9 +30,8 @@ from .support.bits_per_byte import TextBytes, bits_per_byte
 from .support.cli import check_number, run_main
 from .support.files import atomic_write
 from .support.kl_divergence import Comparison, LogitsWriter, SavedLogits
-from .formats.checkpoint import detect_format, find_tokenizer, resolve_run_folder
-from .inference.loading import add_model_arguments, load_model, open_checkpoint, same_tokenizer
-from .tokenizers import open_tokenizer
+from .formats.checkpoint import detect_format, resolve_run_folder
+from .inference.loading import add_model_arguments, check_shares_tokenizer, load_model, open_checkpoint
 from .model import check_fits_context
 from .tokenizers.long_text import encode_long
 from .run.data import check_utf8, utf8_blocks
@@ -122,9 +121,7 @@ def open_base(args, model, tokenizer, ctx: int):
         return SavedLogits(path, model.args.vocab_size, ctx, ctx - 1 - ctx // 2)
     try:
         path = resolve_run_folder(path)
-        own = find_tokenizer(path)
-        if own and not same_tokenizer(open_tokenizer(own), tokenizer):
-            raise ValueError(f"its tokenizer ({own}) is not the model's ({tokenizer.model_path})")
+        check_shares_tokenizer(path, tokenizer, "the base")
         flags = argparse.Namespace(**{**vars(args), "dtype": None, "quantize": None})
         base = load_model(flags, path, detect_format(path), tokenizer)
     except (ValueError, OSError) as e:
@@ -144,6 +141,9 @@ def evaluate(args) -> Tally:
     check_utf8(path, hashlib.sha256())  # the whole file before any work: a bad byte is named, not met halfway
     if args.save_logits is not None and (Path(args.save_logits).exists() or Path(args.save_logits).is_symlink()):
         raise FileExistsError(f"{args.save_logits} already exists; --save-logits writes a new file: name another")
+    if args.save_logits is not None and not Path(args.save_logits).parent.is_dir():
+        raise FileNotFoundError(f"--save-logits {args.save_logits}: the folder {Path(args.save_logits).parent} does not "
+                                "exist; create it first")
     ckpt, fmt, tokenizer = open_checkpoint(args)
     model = load_model(args, ckpt, fmt, tokenizer)
     if args.ctx is not None:

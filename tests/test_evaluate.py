@@ -239,3 +239,13 @@ def test_bad_kl_divergence_input_is_refused_in_one_line(files, tmp_path, case, w
     for word in words:
         assert word in result.stderr, result.stderr
     assert saved.read_bytes() == kept
+
+
+def test_save_logits_into_a_missing_folder_is_refused_before_the_model_loads(files, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "llama_mini.evaluate", "--ckpt", str(files["native"]), "--data",
+                             str(files["text"]), "--save-logits", str(tmp_path / "missing" / "base.logits")],
+                            capture_output=True, text=True, cwd=ROOT, timeout=180)
+    assert result.returncode == 2 and "Traceback" not in result.stderr and "loaded" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --save-logits {tmp_path / 'missing' / 'base.logits'}: the folder "
+                                                  f"{tmp_path / 'missing'} does not exist; create it first"]
+    assert not (tmp_path / "missing").exists()

@@ -42,10 +42,7 @@ def open_draft(args, ckpt, tokenizer):
     try:
         draft = resolve_run_folder(args.draft)
         fmt = detect_format(draft)
-        own = find_tokenizer(draft)
-        if own and not same_tokenizer(open_tokenizer(own), tokenizer):
-            raise ValueError(f"its tokenizer ({own}) is not the model's ({tokenizer.model_path}): a draft must share the "
-                             "model's tokenizer")
+        check_shares_tokenizer(draft, tokenizer, "a draft")
         draft_args, model_args = read_args(draft, tokenizer.model_path), read_args(ckpt, tokenizer.model_path)
         if draft_args.vocab_size != model_args.vocab_size:
             raise ValueError(f"its vocabulary has {draft_args.vocab_size} tokens and the model's {model_args.vocab_size}: a "
@@ -56,6 +53,14 @@ def open_draft(args, ckpt, tokenizer):
     except (ValueError, OSError) as e:
         raise ValueError(f"--draft {args.draft}: {e}") from None
     return draft, fmt
+
+
+def check_shares_tokenizer(path, tokenizer, what: str) -> None:
+    """Refuse a second checkpoint (a draft, a base) whose own tokenizer is not the model's."""
+    own = find_tokenizer(path)
+    if own and not same_tokenizer(open_tokenizer(own), tokenizer):
+        raise ValueError(f"its tokenizer ({own}) is not the model's ({tokenizer.model_path}): {what} must share the "
+                         "model's tokenizer")
 
 
 def same_tokenizer(a, b) -> bool:
