@@ -117,7 +117,7 @@ def open_base(args, model, tokenizer, ctx: int):
     if args.kl_divergence is None:
         return None
     path = Path(args.kl_divergence)
-    if path.is_file() and path.open("rb").read(len(b'{"format"')) == b'{"format"':
+    if path.is_file() and _starts_as_logits(path):
         return SavedLogits(path, model.args.vocab_size, ctx, ctx - 1 - ctx // 2)
     try:
         path = resolve_run_folder(path)
@@ -160,8 +160,14 @@ def evaluate(args) -> Tally:
             writer = LogitsWriter(f, model.args.vocab_size, args.ctx, args.ctx - 1 - args.ctx // 2)
             scored["tally"] = score_text(args, path, model, tokenizer, base, writer)
 
-    atomic_write(Path(args.save_logits), write)  # refuses an existing file before any work
+    atomic_write(Path(args.save_logits), write)  # a killed run leaves no partial file
     return scored["tally"]
+
+
+def _starts_as_logits(path: Path) -> bool:
+    """Whether a file starts as --save-logits writes its header (a checkpoint file never does)."""
+    with open(path, "rb") as f:
+        return f.read(len(b'{"format"')) == b'{"format"'
 
 
 def score_text(args, path: Path, model, tokenizer, base=None, writer=None):
