@@ -5,8 +5,9 @@ llama_mini runs the file as generate.py does with default flags (inference.loadi
 the file's own precision, the CPU kernels where they run); llama.cpp through llama-cpp-python
 (Llama(model_path), its own threads set to the same count). Each process loads the file, reads
 a prompt of random tokens, then decodes greedily; peak memory is the process's VmHWM, less the
-same process's before loading (Python, torch and the modules that read the file, or llama.cpp's
-library). Runs alternate between
+same process's before loading (Python, torch, the modules that read the file and the CPU kernels,
+or llama.cpp's library), and shown again less the KV cache each holds (llama_mini's float32 for
+the positions run, llama.cpp's float16 for its context). Runs alternate between
 the two, and each figure is the best of --repeats.
 
 --make writes the files first, as a user's would be made: a model of random weights at a
@@ -60,10 +61,12 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
     from llama_mini.tokenizers import open_tokenizer
 
     import llama_mini.formats.gguf  # noqa: F401  (the modules' one-time memory, as llama.cpp's library is before its "before")
+    from llama_mini.kernels.fused_rmsnorm import cpu_kernel
     from llama_mini.kernels.operators import operators
+    from llama_mini.support.memory import kv_cache_bytes
 
     torch.set_num_threads(threads)
-    operators()  # the CPU kernels' library, loaded
+    operators(), cpu_kernel()  # the CPU kernels' libraries, loaded and checked
     before = vm("VmRSS")
     start = time.perf_counter()
     flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
@@ -80,7 +83,7 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
             token = model(token.view(1, 1), position)[0, -1].argmax()
         decode_s = time.perf_counter() - t
     return {"load_s": loaded - start, "prompt_tok_s": prompt_len / prompt_s, "decode_tok_s": new / decode_s,
-            "peak": vm("VmHWM") - before}
+            "peak": vm("VmHWM") - before, "kv": kv_cache_bytes(model.args, 1, prompt_len + new, torch.float32)}
 
 
 def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
@@ -101,8 +104,12 @@ def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
     for _ in range(new):
         llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
     decode_s = time.perf_counter() - t
+    field = {key: int(llm.metadata[f"llama.{key}"]) for key in ("block_count", "embedding_length", "attention.head_count",
+                                                                 "attention.head_count_kv")}
+    kv = 2 * llm.n_ctx() * field["block_count"] * field["attention.head_count_kv"] * field["embedding_length"] \
+        // field["attention.head_count"] * 2  # keys and values, float16 (llama.cpp's default)
     return {"load_s": loaded - start, "prompt_tok_s": prompt_len / prompt_s, "decode_tok_s": new / decode_s,
-            "peak": vm("VmHWM") - before}
+            "peak": vm("VmHWM") - before, "kv": kv}
 
 
 RUNNERS = {"llama_mini": run_llama_mini, "llama.cpp": run_llama_cpp}
@@ -187,8 +194,8 @@ def main():
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, llama_mini's kernels built for "
           f"{os.environ.get('LLAMA_MINI_ISA') or 'this CPU'}, {args.threads} threads; prompt {args.prompt} tokens, "
           f"{args.new} decoded; best of {args.repeats}\n")
-    print("| file | MB | | peak memory (x file) | load s | prompt tok/s | decode tok/s |")
-    print("|---|---|---|---|---|---|---|")
+    print("| file | MB | | peak memory (x file) | less the KV cache (x file) | load s | prompt tok/s | decode tok/s |")
+    print("|---|---|---|---|---|---|---|---|")
     for path in files:
         best = {}
         for _ in range(args.repeats):
@@ -198,10 +205,12 @@ def main():
                 best[runner] = {key: (min if key in ("load_s", "peak") else max)(old[key], r[key]) for key in r}
         size = path.stat().st_size
         for runner, r in best.items():
+            rest = r["peak"] - r["kv"]
             print(f"| {path.name} | {size / 1e6:,.0f} | {runner} | {r['peak'] / 1e6:,.0f} MB ({r['peak'] / size:.2f}x) | "
-                  f"{r['load_s']:.2f} | {r['prompt_tok_s']:,.1f} | {r['decode_tok_s']:.1f} |")
+                  f"{rest / 1e6:,.0f} MB ({rest / size:.2f}x) | {r['load_s']:.2f} | {r['prompt_tok_s']:,.1f} | {r['decode_tok_s']:.1f} |")
         ours, theirs = best["llama_mini"], best["llama.cpp"]
-        print(f"| | | llama_mini / llama.cpp | {ours['peak'] / theirs['peak']:.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
+        print(f"| | | llama_mini / llama.cpp | {ours['peak'] / theirs['peak']:.2f} | "
+              f"{(ours['peak'] - ours['kv']) / (theirs['peak'] - theirs['kv']):.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
               f"{ours['prompt_tok_s'] / theirs['prompt_tok_s']:.2f} | {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f} |")
 
 

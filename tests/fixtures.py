@@ -3,6 +3,8 @@ checkout through this one constant. A test whose fixture is absent is skipped, e
 CI (CI=true), where the absence fails it. And the tiny model the tests build (tiny_model)."""
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +12,8 @@ import torch
 
 from llama_mini.model import ModelArgs, Transformer
 
-FIXTURES = Path(__file__).resolve().parents[1].parent / "shared" / "fixtures"
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT.parent / "shared" / "fixtures"
 LLAMA2_TOKENIZER = FIXTURES / "llama2-tokenizer.model"
 LLAMA3_TOKENIZER = FIXTURES / "llama3-tokenizer.model"
 GGUF_VOCAB = FIXTURES / "gguf-vocab"
@@ -77,3 +80,23 @@ def assert_swaps_every(use, base, faster, attribute, folder):
     save_checkpoint(model, folder)
     assert type(getattr(load_checkpoint(folder).layers[0], attribute)) is base
     return layers
+
+
+def load_peak(call: str) -> tuple:
+    """(how far `call`, a Python expression that loads a model, raises a fresh process's peak
+    resident memory, the bytes of the model's tensors). The baseline is taken after torch's
+    one-time cost of building a model on the meta device, which every loader pays first."""
+    code = ("import torch\n"
+            "from llama_mini import ModelArgs, Transformer, load_checkpoint\n"
+            "import llama_mini.formats.gguf\n"
+            "def peak():  # VmHWM: this process's own peak (getrusage's carries the parent's over exec)\n"
+            "    return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
+            "with torch.device('meta'):\n"
+            "    Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=8))\n"
+            "before = peak()\n"
+            f"model = {call}\n"
+            "tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}.values()\n"
+            "print(peak() - before, sum(t.numel() * t.element_size() for t in tensors))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return tuple(map(int, result.stdout.split()[-2:]))

@@ -19,7 +19,6 @@ the size of its dequantized weights). Nothing a file says is trusted before it i
 from pathlib import Path
 
 from ..model import ModelArgs, Transformer
-from .. import quant
 from ..support.files import atomic_write, is_gguf
 from ..tokenizers import copy_tokenizer
 from . import llama2c
@@ -154,8 +153,8 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
     if quantization is not None and quantize not in (None, quantization["method"]):
         raise ValueError(f"{path} is already quantized to {quantization['method']}; load it without quantize, "
                          f"or quantize its full-precision source to {quantize}")
-    model = build_model(args, state, device=device, dtype=dtype, quantization=quantization)
-    return quant.quantize(model, quantize) if quantize is not None and quantization is None else model
+    return build_model(args, state, device=device, dtype=dtype, quantization=quantization,
+                       quantize=quantize if quantization is None else None)
 
 
 def _vocab_size(tokenizer_path) -> int:

@@ -32,7 +32,7 @@ from gguf import Keys
 
 from ..support.files import atomic_write, brief
 from ..support.gguf_file import FLOATS, GGUFFile, check_llama
-from ..support.memory import check_free_memory
+from ..support.memory import check_free_memory, return_freed_memory
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
 from ..quant.layers import Int4Linear, QuantizedEmbedding
@@ -247,6 +247,7 @@ def load_gguf_blocks(path: Path):
             continue
         layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
         file.release(theirs)
+        return_freed_memory()
         kinds.setdefault(info.type.name, "int4" if isinstance(layer, Int4Linear) else "int8")
         parent, _, child = ours.removesuffix(".weight").rpartition(".")
         if child == "tok_embeddings":

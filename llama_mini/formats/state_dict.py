@@ -11,7 +11,7 @@ import re
 import torch
 
 from ..model import ModelArgs, Transformer
-from ..quant import empty_quantized_model
+from .. import quant
 from .names import to_format
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d{1,9})\.")
@@ -78,15 +78,19 @@ def _listed(names: dict) -> str:
     return ", ".join(f"{kind} {listed}" for kind, listed in names.items() if listed)
 
 
-def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None) -> Transformer:
+def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantization=None, quantize=None) -> Transformer:
     """A Transformer holding the tensors of state themselves, not copies (load_state_dict's
     assign), on the meta device until then. state is a reader's, checked by check_fits_config, or
-    a live model's; quantization (a stored record) builds the quantized layers it holds."""
+    a live model's; quantization (a stored record) builds the quantized layers it holds; quantize
+    ("int8" or "int4") quantizes each linear matrix as it is taken from state, so the float model
+    is never held (quant.quantize)."""
     model = _empty_model(args, quantization)
     dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
     if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
         dtype = state["tok_embeddings.weight"].dtype
-    model.load_state_dict(state, assign=True)
+    if quantize is not None:
+        quant.quantize(model, quantize, weights=state, dtype=dtype, device=device)
+    model.load_state_dict(state, assign=True, strict=quantize is None)  # quantized: the rest of state, checked by the reader
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
     return model.to(device=device, dtype=dtype).eval()
@@ -96,4 +100,4 @@ def _empty_model(args: ModelArgs, quantization) -> Transformer:
     """The model args describes on the meta device (no memory), with quantized layers where the record says."""
     with torch.device("meta"):
         model = Transformer(args)
-        return model if quantization is None else empty_quantized_model(model, quantization)
+        return model if quantization is None else quant.empty_quantized_model(model, quantization)

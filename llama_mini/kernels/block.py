@@ -138,8 +138,8 @@ def _gather_operands(block, dtype):
     if block_refusal(block, dtype) is not None:
         return False, None
     norms = (block.attention_norm, block.ffn_norm)
-    weights, scales, offsets = zip(*(kernel_operands(block.get_submodule(name)) for name in LINEARS))
-    trainable = any(t is not None and t.requires_grad for t in (norms[0].weight, norms[1].weight, *weights, *scales, *offsets))
-    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, cpu_kernel()[0].vector_bytes, weights, scales, offsets)
+    operands = tuple(zip(*(kernel_operands(block.get_submodule(name)) for name in LINEARS)))  # weights, scales, ...
+    trainable = any(t is not None and t.requires_grad for t in (norms[0].weight, norms[1].weight, *sum(operands, ())))
+    return trainable, (norms[0].weight, norms[1].weight, norms[0].eps, cpu_kernel()[0].vector_bytes, *operands)
 
 

@@ -42,13 +42,14 @@ FINGERPRINTS = {
     "quant.layers:quantized_linear": "5f0760a4f33a2387",
     "quant.layers:float32_linear": "f8582cd4566c76e0",
     "quant.layers:Int8Linear.forward": "207fbc6f4f6086ac",
-    "quant.layers:Int8Linear.dequantize": "ee0564d1767ac6a8",
+    "quant.layers:Int8Linear.dequantize": "2cf075cc773a867b",
     "quant.layers:Int8Linear.codes": "8a9722846a6d43bc",
     "quant.layers:Int8Linear.block_scales": "f5bb88187f9dd161",
     "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
-    "quant.layers:Int4Linear.dequantize": "d4c7c9fc00380ea7",
+    "quant.layers:Int4Linear.dequantize": "7aa01d0d5aeffaf2",
     "quant.layers:Int4Linear.codes": "de8c10939a988929",
-    "quant.layers:Int4Linear.group_scales_and_offsets": "2c415a803e8dfc7e",
+    "quant.layers:Int4Linear.group_scales_and_offsets": "fb106e93d9c0ebd2",
+    "quant.layers:Int4Linear.factored": "dd9a55d55579b8a1",
 }
 
 

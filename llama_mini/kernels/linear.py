@@ -20,13 +20,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..quant.layers import Int4Linear, Int8Linear
-from .operators import FLOATS, PANEL, operators, to_panels
+from .operators import FLOATS, PANEL, SCALES, operators, to_panels
 
 
-def operators_for(x: torch.Tensor, floats: torch.Tensor):
-    """The operators, if they should compute x W^T (floats: W, or its scales); None where the
-    layer's own code should. Cheapest checks first: this runs for every layer of every step."""
-    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in FLOATS:
+def operators_for(x: torch.Tensor, floats: torch.Tensor, dtypes=FLOATS):
+    """The operators, if they should compute x W^T (floats: W, or its scales, of one of dtypes);
+    None where the layer's own code should. Cheapest checks first: this runs for every layer of
+    every step."""
+    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in dtypes:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or floats.requires_grad):
         return None
@@ -95,7 +96,8 @@ class IntegerKernel:
     function otherwise. The same function either way, autocast or not."""
 
     def forward(self, x):
-        ops = operators_for(x, self.scales) if kernel_operands(self) is not None else None
+        floats = self.super_scales if getattr(self, "super_group_size", 0) else self.scales
+        ops = operators_for(x, floats, SCALES) if kernel_operands(self) is not None else None
         return super().forward(x) if ops is None else self.kernel(ops, x)
 
 
@@ -114,9 +116,11 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
 
     layer = "int4 kernel"
     computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("forward", "dequantize", "codes",
-                                                                                  "group_scales_and_offsets"))
+                                                                                  "group_scales_and_offsets", "factored"))
 
     def kernel(self, ops, x):
+        if self.super_group_size:
+            return ops.linear_int4(x, self.weight, self.scales, self.offsets, self.super_scales, self.super_offsets)
         return ops.linear_int4(x, self.weight, self.scales, self.offsets)
 
 
@@ -125,16 +129,18 @@ LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Lin
 
 
 def kernel_operands(linear):
-    """(weight, scales, offsets) of a linear layer as the kernels read them, or None where they do
-    not take it: other shapes, biases, dtypes, or tensors not laid out in one piece."""
+    """(weight, scales, offsets, super_scales, super_offsets) of a linear layer as the kernels read
+    them (None for those it has not), or None where they do not take it: other shapes, biases,
+    dtypes, or tensors not laid out in one piece."""
     if isinstance(linear, Int8Linear):
-        operands = (linear.weight, linear.scales, None) if linear.rows_of_8 else None
+        operands = (linear.weight, linear.scales, None, None, None) if linear.rows_of_8 else None
     elif isinstance(linear, Int4Linear):
-        operands = (linear.weight, linear.scales, linear.offsets) if linear.rows_of_8 else None
+        supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
+        operands = (linear.weight, linear.scales, linear.offsets, *supers) if linear.rows_of_8 else None
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
         # panels hold float32 (a model cast after use_cpu_kernels holds bfloat16 ones: torch's code)
         in_panels = getattr(linear, "in_panels", False)
-        operands = (linear.weight, None, None) if not in_panels or linear.weight.dtype == torch.float32 else None
+        operands = (linear.weight, None, None, None, None) if not in_panels or linear.weight.dtype == torch.float32 else None
     else:
         return None
     return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None

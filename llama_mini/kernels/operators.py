@@ -21,7 +21,8 @@ from .fingerprints import changed, notice_changed
 
 log = logging.getLogger(__name__)
 
-FLOATS = (torch.float32, torch.bfloat16)  # the activation, weight and scale dtypes the kernels read
+FLOATS = (torch.float32, torch.bfloat16)  # the activation and weight dtypes the kernels read
+SCALES = FLOATS + (torch.float16,)  # and an integer layer's scales (GGUF files hold 16-bit float ones)
 PANEL = 16  # outputs per panel of a float32 weight held in panels (csrc/)
 
 
@@ -100,12 +101,21 @@ def _self_check(ops) -> None:
             scales = (torch.rand(24, 10, generator=g) + 0.5).to(dtype)
             nibbles = torch.randint(0, 16, (24, 320), generator=g, dtype=torch.uint8)
             group_scales, offsets = (torch.rand(24, 5, generator=g) + 0.5).to(dtype), torch.randn(24, 5, generator=g).to(dtype)
+            factors = torch.randint(0, 64, (2, 24, 10), generator=g, dtype=torch.uint8)
+            supers = torch.randn(2, 24, 2, generator=g)  # super-groups of 160 inputs, groups of 32
             int8 = codes.double() * scales.double().repeat_interleave(32, dim=1)
             int4 = (nibbles.double().unflatten(-1, (5, 64)) * group_scales.double()[..., None]
                     + offsets.double()[..., None]).flatten(-2)
+            scale_factors, offset_factors = supers.double().repeat_interleave(5, dim=-1) * factors.double()
+            factored = (nibbles.double().unflatten(-1, (10, 32)) * scale_factors[..., None]
+                        + offset_factors[..., None]).flatten(-2)
+            halves = (torch.rand(24, 10, generator=g) + 0.5).half()  # 16-bit float scales, as GGUF's Q8_0 holds them
             checks += [
                 (ops.linear_int8(x, pack_int8(codes), interleave_rows(scales)), xq @ int8.t()),
+                (ops.linear_int8(x, pack_int8(codes), interleave_rows(halves)),
+                 xq @ (codes.double() * halves.double().repeat_interleave(32, dim=1)).t()),
                 (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(offsets)), xq @ int4.t()),
+                (ops.linear_int4(x, pack_int4(nibbles), *map(interleave_rows, (*factors, *supers))), xq @ factored.t()),
             ]
         for got, expected in checks:
             if got.dtype != dtype or not torch.allclose(got.double(), expected, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-3):

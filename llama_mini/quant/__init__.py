@@ -19,21 +19,33 @@ import torch
 from torch import nn
 
 from ..support.device import fastest_time
+from ..support.memory import return_freed_memory
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
 
 
-def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE) -> nn.Module:
-    """Replace model's linear layers by quantized ones, in place and one at a time (so at most one
-    float matrix beyond the quantized ones is alive); returns model. The head is int8 either way."""
+def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE, weights: Optional[dict] = None,
+             dtype=None, device=None) -> nn.Module:
+    """Replace model's linear layers by quantized ones, in place and one at a time, each a chunk of
+    rows at a time (so beyond the quantized layers at most one float matrix is alive, and a few
+    megabytes of temporaries); returns model. The head is int8 either way.
+
+    weights, where given, is a checkpoint's state ({name: tensor}, mapped from its files): each
+    layer's matrix is taken from it (and dropped from it) instead of from the layer, which may be
+    on the meta device, so that a model is quantized as it is loaded without ever being held in
+    floats. dtype and device are the layers' (default: each weight's)."""
     check_method(method)
-    for parent, name, linear in _linears(model):
-        weight = linear.state_dict()["weight"]  # its rows, as saved, whatever layout a kernel holds it in
+    for name, (parent, attribute, linear) in _linears(model).items():
+        if weights is None:
+            weight = linear.state_dict()["weight"]  # its rows, as saved, whatever layout a kernel holds it in
+        else:  # a tied head is the embedding's table, which stays in the state for the embedding
+            weight = weights.pop(name + ".weight") if name + ".weight" in weights else weights["tok_embeddings.weight"]
         if method == "int8" or linear is model.output:
-            setattr(parent, name, Int8Linear.from_weight(weight))
+            setattr(parent, attribute, Int8Linear.from_weight(weight, dtype, device))
         else:
-            setattr(parent, name, Int4Linear.from_weight(weight, group_size))
+            setattr(parent, attribute, Int4Linear.from_weight(weight, group_size, dtype, device))
+        return_freed_memory()
     # The head is now a matrix of its own, no longer the embedding table: say so, so that the
     # config saved with these tensors describes them.
     model.args.tie_embeddings = False
@@ -43,9 +55,9 @@ def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE
 
 def dequantize(model: nn.Module) -> nn.Module:
     """The inverse of quantize: each quantized layer becomes an nn.Linear holding its dequantized
-    weight, in the dtype of its scales, in place; returns model. The weights are the quantized
+    weight, in its float_dtype (its scales'), in place; returns model. The weights are the quantized
     ones, not the full-precision weights they came from."""
-    for parent, name, layer in _linears(model, (Int8Linear, Int4Linear)):
+    for parent, name, layer in _linears(model, (Int8Linear, Int4Linear)).values():
         linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(layer.dequantize())
         setattr(parent, name, linear)
@@ -57,7 +69,7 @@ def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
     """model (built on the meta device, for load_state_dict(assign=True)) with quantized layers
     of the right shapes in place of its linear layers: the full-precision weights never exist."""
     method, group_size = quantization["method"], quantization["group_size"]
-    for parent, name, linear in _linears(model):
+    for parent, name, linear in _linears(model).values():
         if method == "int8" or linear is model.output:
             setattr(parent, name, Int8Linear(linear.in_features, linear.out_features))
         else:
@@ -75,10 +87,11 @@ def hold_plain_rows(model: nn.Module) -> nn.Module:
     return model
 
 
-def _linears(model: nn.Module, kind=nn.Linear):
-    """(parent, attribute name, layer) of every layer of that kind in model, listed before any is replaced."""
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if isinstance(child, kind)]
+def _linears(model: nn.Module, kind=nn.Linear) -> dict:
+    """{qualified name: (parent, attribute name, layer)} of every layer of that kind in model,
+    listed before any is replaced."""
+    return {f"{prefix}.{name}".lstrip("."): (parent, name, child) for prefix, parent in model.named_modules()
+            for name, child in parent.named_children() if isinstance(child, kind)}
 
 
 # Torch's CPU code whose compiled decoding step reads the codes as fast as float ones, or faster;
@@ -116,7 +129,7 @@ def quantized_notice(model: nn.Module, flag: Optional[str] = "--quantize", compi
 def quantized_slowdown(layer: nn.Module) -> float:
     """How many times longer `layer` takes than a float layer of its weights (its dequantized
     weight, in its scales' dtype) for one row, on its device: measured, a few milliseconds."""
-    x = torch.randn(1, 1, layer.in_features, device=layer.scales.device, dtype=layer.scales.dtype)
+    x = torch.randn(1, 1, layer.in_features, device=layer.scales.device, dtype=layer.float_dtype)
     with torch.inference_mode():
         weight = layer.dequantize()
         return fastest_time(lambda: layer(x), x.device) / fastest_time(lambda: torch.nn.functional.linear(x, weight), x.device)

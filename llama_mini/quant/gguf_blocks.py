@@ -7,9 +7,12 @@ own code, dequantizes them), value for value:
 - Q8_0 -> int8: blocks of 32, w = d q. Q5_0 -> int8 too: w = d (q - 16), codes q - 16.
 - Q4_0 -> int4, groups of 32: w = d (q - 8) = q d + (-8 d).
 - Q4_1 -> int4: w = q d + m.
-- Q4_K -> int4: each sub-block of 32 has w = q (d sc) - dmin m; d sc and dmin m are a 16-bit
-  float times a 6-bit integer, exact in float32, and so is q (d sc), four bits more.
-Scales and offsets are float32, the only dtype that holds all of these exactly.
+- Q4_K -> int4 with factored scales and offsets: each sub-block of 32 has w = q (d sc) - dmin m,
+  and the layer holds d and -dmin per super-block of 256 (float32) and sc and m per group
+  (uint8): 4.75 bits a weight for Q4_K's 4.5. d sc and dmin m, a 16-bit float times a 6-bit
+  integer, are exact in float32, and so is q (d sc), four bits more.
+Q8_0's, Q5_0's, Q4_0's and Q4_1's scales and offsets are the file's 16-bit floats, held as they
+are (Q4_0's offset -8 d too, exact in float16 but where it overflows: such a file is refused).
 
 The other types (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) are dequantized by gguf.quants and rounded to
 int8 in blocks of 32, the layer that adds the least error: at most half a step, about a block's
@@ -23,14 +26,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from .layers import Int4Linear, Int8Linear, quantize_int8
-from .layout import ROW_SET, interleave_rows, pack_int4, pack_int8
+from .layers import Int4Linear, Int8Linear, quantize_int8, row_chunks
+from .layout import ROW_SET
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
 REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K)  # to int8
 TYPES = EXACT_INT8 + EXACT_INT4 + REQUANTIZED
-_CHUNK_ELEMENTS = 1 << 20  # weights converted at once: a few MB beside the layer
 
 
 def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
@@ -38,15 +40,17 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
     (out, bytes per row), a view of the mapped file. Rows are converted a chunk at a time."""
     out_features, in_features = shape
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
-        layer = Int4Linear(in_features, out_features, 32, torch.float32)
-        convert, store = _INT4[kind], _store_int4
-    else:  # int4 needs sets of eight rows; a matrix without them takes int8, exact for Q8_0 and Q5_0
-        layer = Int8Linear(in_features, out_features, torch.float32 if kind in EXACT_INT8 else torch.bfloat16)
-        convert, store = (_INT8[kind] if kind in EXACT_INT8 else _requantized(kind)), _store_int8
-    step = max(ROW_SET, _CHUNK_ELEMENTS // max(in_features, 1) // ROW_SET * ROW_SET)
-    for start in range(0, out_features, step):
-        rows = torch.from_numpy(np.ascontiguousarray(blocks[start : start + step]))
-        store(layer, start, *convert(rows, in_features))
+        if kind == T.Q4_K:
+            layer = Int4Linear(in_features, out_features, 32, torch.float32, super_group_size=256)
+        else:
+            layer = Int4Linear(in_features, out_features, 32, torch.float16)
+        convert = _INT4[kind]
+    elif kind in EXACT_INT8:
+        layer, convert = Int8Linear(in_features, out_features, torch.float16), _INT8[kind]
+    else:  # int4 needs sets of eight rows: a matrix without them takes int8, as the other types do
+        layer, convert = Int8Linear(in_features, out_features, torch.bfloat16), _requantized(kind)
+    for rows in row_chunks(out_features, in_features):
+        layer.store_rows(rows.start, *convert(torch.from_numpy(np.ascontiguousarray(blocks[rows])), in_features))
     return layer
 
 
@@ -54,22 +58,11 @@ def held_bytes(kind: T, shape) -> int:
     """The bytes of the layer layer_from_blocks makes of a matrix of kind and shape (out, in)."""
     out_features, in_features = shape
     n, blocks = out_features * in_features, out_features * -(-in_features // 32)
+    if kind == T.Q4_K and out_features % ROW_SET == 0:  # codes two a byte, uint8 factors per group, float32 per 256
+        return n // 2 + 2 * blocks + 2 * 4 * (n // 256)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
-        return n // 2 + 2 * 4 * blocks  # codes two a byte, a float32 scale and offset per group of 32
-    return n + (4 if kind in EXACT_INT8 else 2) * blocks
-
-
-def _store_int8(layer: Int8Linear, start: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
-    if layer.rows_of_8:
-        layer.weight[start // ROW_SET : (start + len(codes)) // ROW_SET] = pack_int8(codes)
-        layer.scales[start // ROW_SET : (start + len(codes)) // ROW_SET] = interleave_rows(scales)
-    else:
-        layer.weight[start : start + len(codes)], layer.scales[start : start + len(codes)] = codes, scales
-
-
-def _store_int4(layer: Int4Linear, start: int, codes, scales, offsets) -> None:
-    sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
-    layer.weight[sets], layer.scales[sets], layer.offsets[sets] = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
+        return n // 2 + 2 * 2 * blocks  # codes two a byte, a float16 scale and offset per group of 32
+    return n + 2 * blocks  # int8: a float16 or bfloat16 scale per block of 32
 
 
 def _blocks(rows: torch.Tensor, kind: T) -> torch.Tensor:
@@ -78,8 +71,8 @@ def _blocks(rows: torch.Tensor, kind: T) -> torch.Tensor:
 
 
 def _half(field: torch.Tensor) -> torch.Tensor:
-    """A 16-bit float field of each block (..., 2 bytes) -> float32 (...)."""
-    return field.contiguous().view(torch.float16).squeeze(-1).float()
+    """A 16-bit float field of each block (..., 2 bytes) -> float16 (...)."""
+    return field.contiguous().view(torch.float16).squeeze(-1)
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
@@ -104,7 +97,11 @@ def _q5_0(rows, k):
 def _q4_0(rows, k):
     b = _blocks(rows, T.Q4_0)
     d = _half(b[..., :2])
-    return _nibbles(b[..., 2:]).reshape(len(rows), k), d, -8 * d
+    offsets = -8 * d
+    if (offsets.isinf() & d.isfinite()).any():
+        raise ValueError(f"a Q4_0 block's scale is over {65504 / 8:g}, and its weights are beyond a 16-bit float's range "
+                         "(run the file with --dtype float32)")
+    return _nibbles(b[..., 2:]).reshape(len(rows), k), d, offsets
 
 
 def _q4_1(rows, k):
@@ -115,14 +112,12 @@ def _q4_1(rows, k):
 def _q4_k(rows, k):
     """Q4_K: super-blocks of 256, d, dmin, 12 bytes of 6-bit sub-block scales and mins (unpacked
     by gguf's own code), and 128 bytes: run c of 32 holds sub-block 2c in its low nibbles and
-    2c + 1 in its high ones."""
+    2c + 1 in its high ones. -> codes, the factors sc and m, d and -dmin."""
     b = _blocks(rows, T.Q4_K)
     n, supers = len(rows), b.shape[1]
-    d, dmin = _half(b[..., :2])[..., None], _half(b[..., 2:4])[..., None]
-    sc, m = (torch.from_numpy(t.astype(np.float32)).view(n, supers, 8)
-             for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
+    sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
     codes = _nibbles(b[..., 16:].reshape(n, supers, 4, 32)).reshape(n, k)
-    return codes, (d * sc).view(n, -1), (-(dmin * m)).view(n, -1)
+    return codes, sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
 
 
 def _requantized(kind: T):

@@ -20,7 +20,10 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   for. Sixteen levels are few, so spanning each group's [min, max] (rather than a symmetric
   [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters. It is
   llama.cpp's own formula for Q4_1 and Q4_K (and Q4_0's, with offset -8 scale), so their blocks
-  are carried over exactly (gguf_blocks.py).
+  are carried over exactly (gguf_blocks.py). A layer may hold its scales and offsets factored,
+  as llama.cpp's K-quants do (super_group_size): a float32 factor per super-group of inputs
+  times a uint8 per group, 4.75 bits a weight where float32 per group takes 6; their products
+  are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -84,8 +87,24 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", torch.empty(scales, dtype=dtype, device=device))
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor) -> "Int8Linear":
-        return cls.from_codes(*quantize_int8(weight))
+    def from_weight(cls, weight: torch.Tensor, dtype=None, device=None) -> "Int8Linear":
+        """The layer of a float weight (out, in), scales in dtype (default: the weight's), quantized
+        a chunk of rows at a time on device (default: the weight's): a few megabytes of
+        temporaries, where the whole matrix at once would take several copies of it in float32."""
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, dtype or weight.dtype, device or weight.device)
+        for rows in row_chunks(out_features, in_features):
+            layer.store_rows(rows.start, *quantize_int8(weight[rows].to(layer.scales.device, layer.scales.dtype)))
+        return layer
+
+    def store_rows(self, start: int, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        """Rows start .. start + len(codes) of the codes (rows, in) and scales (rows, blocks), start
+        and the count a multiple of eight where the layer holds sets of eight rows."""
+        if self.rows_of_8:
+            sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
+            self.weight[sets], self.scales[sets] = pack_int8(codes), interleave_rows(scales)
+        else:
+            self.weight[start : start + len(codes)], self.scales[start : start + len(codes)] = codes, scales
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
@@ -98,28 +117,33 @@ class Int8Linear(nn.Module):
         """The codes as int8 (out_features, in_features)."""
         return unpack_int8(self.weight) if self.rows_of_8 else self.weight
 
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype its weights dequantize to by default (float_dtype_of)."""
+        return float_dtype_of(self.scales)
+
     def block_scales(self) -> torch.Tensor:
         """The scales, (out_features, blocks of 32 inputs)."""
         return deinterleave_rows(self.scales) if self.rows_of_8 else self.scales
 
     def dequantize(self, dtype=None) -> torch.Tensor:
-        """W (out_features, in_features), computed in float32, in dtype (default: the scales')."""
+        """W (out_features, in_features), computed in float32, in dtype (default: float_dtype)."""
         codes, scales = self.codes(), self.block_scales().float()
         if self.in_features % BLOCK:  # a shorter last block
             w = codes.float() * scales.repeat_interleave(BLOCK, dim=1)[:, : self.in_features]
         else:  # each block of codes times its scale, in one operation
             w = torch.mul(codes.view(self.out_features, -1, BLOCK), scales[..., None]).view(self.out_features, self.in_features)
-        return w.to(dtype or self.scales.dtype)
+        return w.to(dtype or self.float_dtype)
 
     def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
-        """Rows ids of W, (len(ids), in_features) in dtype (default: the scales'), dequantizing those rows only."""
+        """Rows ids of W, (len(ids), in_features) in dtype (default: float_dtype), dequantizing those rows only."""
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             codes = self.weight.view(-1, self.in_features // 4, ROW_SET, 4)[ids // ROW_SET, :, ids % ROW_SET]
             scales = self.scales.view(len(self.scales), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
         else:
             codes, scales = self.weight[ids], self.scales[ids]
         w = codes.reshape(len(ids), -1).float()
-        return (w.view(len(ids), -1, BLOCK) * scales.float()[..., None]).view(len(ids), -1).to(dtype or scales.dtype)
+        return (w.view(len(ids), -1, BLOCK) * scales.float()[..., None]).view(len(ids), -1).to(dtype or self.float_dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes (out_features, in_features) and scales (out_features, blocks) from now on."""
@@ -162,68 +186,109 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
     each with a scale and an offset, rows in sets of eight (layout.py) or, once hold_plain_rows is
-    called, plain rows of two codes a byte."""
+    called, plain rows of two codes a byte. With super_group_size, scales and offsets are uint8
+    factors of float32 super_scales and super_offsets, one per super-group of inputs."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                 dtype=torch.float32, device=None):
+                 dtype=torch.float32, device=None, super_group_size: int = 0):
         super().__init__()
         check_int4_shape(in_features, out_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.rows_of_8 = True
+        self.rows_of_8, self.super_group_size = True, super_group_size
         sets, groups = out_features // ROW_SET, in_features // group_size
+        factors = torch.uint8 if super_group_size else dtype
         self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
-        self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
-        self.register_buffer("offsets", torch.empty(sets, groups * ROW_SET, dtype=dtype, device=device))
+        self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=factors, device=device))
+        self.register_buffer("offsets", torch.empty(sets, groups * ROW_SET, dtype=factors, device=device))
+        if super_group_size:
+            supers = in_features // super_group_size
+            self.register_buffer("super_scales", torch.empty(sets, supers * ROW_SET, dtype=dtype, device=device))
+            self.register_buffer("super_offsets", torch.empty(sets, supers * ROW_SET, dtype=dtype, device=device))
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
-        check_int4_shape(weight.shape[1], weight.shape[0], group_size)
-        return cls.from_codes(*quantize_int4(weight, group_size), group_size)
+    def from_weight(cls, weight: torch.Tensor, group_size: int = DEFAULT_GROUP_SIZE, dtype=None, device=None) -> "Int4Linear":
+        """The layer of a float weight (out, in), as Int8Linear.from_weight makes its own."""
+        out_features, in_features = weight.shape
+        layer = cls(in_features, out_features, group_size, dtype or weight.dtype, device or weight.device)
+        for rows in row_chunks(out_features, in_features):
+            layer.store_rows(rows.start, *quantize_int4(weight[rows].to(layer.scales.device, layer.scales.dtype), group_size))
+        return layer
+
+    def store_rows(self, start: int, codes, scales, offsets, super_scales=None, super_offsets=None) -> None:
+        """Rows start .. start + len(codes) (multiples of eight) of from_codes' arguments."""
+        sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
+        self.weight[sets], self.scales[sets], self.offsets[sets] = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
+        if super_scales is not None:
+            self.super_scales[sets], self.super_offsets[sets] = interleave_rows(super_scales), interleave_rows(super_offsets)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
-                   group_size: int = DEFAULT_GROUP_SIZE) -> "Int4Linear":
-        """The layer of codes 0..15 as uint8 (out, in) and scales and offsets (out, in / group_size)."""
-        layer = cls(codes.shape[1], codes.shape[0], group_size, scales.dtype, device="meta")
+                   group_size: int = DEFAULT_GROUP_SIZE, super_scales=None, super_offsets=None) -> "Int4Linear":
+        """The layer of codes 0..15 as uint8 (out, in) and scales and offsets (out, in / group_size);
+        with super_scales and super_offsets (out, super-groups), the latter are their uint8 factors."""
+        factored = super_scales is not None
+        dtype, super_group_size = (super_scales.dtype, codes.shape[1] // super_scales.shape[1]) if factored else (scales.dtype, 0)
+        layer = cls(codes.shape[1], codes.shape[0], group_size, dtype, device="meta", super_group_size=super_group_size)
         layer.weight, layer.scales, layer.offsets = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
+        if factored:
+            layer.super_scales, layer.super_offsets = interleave_rows(super_scales), interleave_rows(super_offsets)
         return layer
 
     def codes(self) -> torch.Tensor:
         """The codes 0..15 as uint8 (out_features, in_features)."""
         return unpack_int4(self.weight) if self.rows_of_8 else unpack_int4_rows(self.weight)
 
+    @property
+    def float_dtype(self) -> torch.dtype:
+        """The dtype its weights dequantize to by default (float_dtype_of)."""
+        return float_dtype_of(self.super_scales if self.super_group_size else self.scales)
+
     def group_scales_and_offsets(self):
-        """(scales, offsets), each (out_features, groups)."""
+        """(scales, offsets), each (out_features, groups); factored ones multiplied out in float32."""
         if not self.rows_of_8:
             return self.scales, self.offsets
-        return deinterleave_rows(self.scales), deinterleave_rows(self.offsets)
+        scales, offsets = deinterleave_rows(self.scales), deinterleave_rows(self.offsets)
+        if self.super_group_size:
+            scales, offsets = (self.factored(t, deinterleave_rows(s)) for t, s in ((scales, self.super_scales),
+                                                                                 (offsets, self.super_offsets)))
+        return scales, offsets
+
+    def factored(self, factors: torch.Tensor, supers: torch.Tensor) -> torch.Tensor:
+        """Rows of uint8 factors (..., groups) times their super-groups' floats (..., supers), in float32."""
+        return supers.float().repeat_interleave(self.super_group_size // self.group_size, dim=-1) * factors.float()
 
     def dequantize(self, dtype=None) -> torch.Tensor:
         """W (out_features, in_features), computed in float32 as q * scale + offset, in dtype
-        (default: the scales'), group by group."""
+        (default: float_dtype), group by group."""
         scales, offsets = self.group_scales_and_offsets()
         w = self.codes().view(self.out_features, -1, self.group_size).float()
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
-        return w.view(self.out_features, self.in_features).to(dtype or scales.dtype)
+        return w.view(self.out_features, self.in_features).to(dtype or self.float_dtype)
 
     def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
-        """Rows ids of W, (len(ids), in_features) in dtype (default: the scales'), dequantizing those rows only."""
+        """Rows ids of W, (len(ids), in_features) in dtype (default: float_dtype), dequantizing those rows only."""
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
             codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
             scales, offsets = (t.view(len(t), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET] for t in (self.scales, self.offsets))
+            if self.super_group_size:
+                scales, offsets = (self.factored(t, s.view(len(s), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET])
+                                   for t, s in ((scales, self.super_scales), (offsets, self.super_offsets)))
         else:
             codes, scales, offsets = unpack_int4_rows(self.weight[ids]), self.scales[ids], self.offsets[ids]
         w = codes.reshape(len(ids), -1, self.group_size).float()
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
-        return w.view(len(ids), -1).to(dtype or scales.dtype)
+        return w.view(len(ids), -1).to(dtype or self.float_dtype)
 
     def hold_plain_rows(self) -> None:
         """Codes two a byte (out_features, in_features / 2, layout.pack_int4_rows), scales and
-        offsets (out_features, groups) from now on."""
+        offsets (out_features, groups) from now on: factored ones multiplied out."""
         if self.rows_of_8:
             codes, (self.scales, self.offsets) = self.codes(), self.group_scales_and_offsets()
             self.weight, self.rows_of_8 = pack_int4_rows(codes), False
+            if self.super_group_size:
+                del self.super_scales, self.super_offsets
+                self.super_group_size = 0
 
     def one_row(self, xq: torch.Tensor) -> torch.Tensor:
         """xq W^T for one row xq (in_features) of quantized activations, held in plain rows, in
@@ -264,6 +329,22 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+CHUNK_ELEMENTS = 1 << 20  # weights quantized or converted at once
+
+
+def row_chunks(out_features: int, in_features: int) -> list:
+    """Slices of rows of about CHUNK_ELEMENTS weights each, whole sets of eight rows but the last."""
+    step = max(ROW_SET, CHUNK_ELEMENTS // max(in_features, 1) // ROW_SET * ROW_SET)
+    return [slice(start, min(start + step, out_features)) for start in range(0, out_features, step)]
+
+
+def float_dtype_of(scales: torch.Tensor) -> torch.dtype:
+    """The dtype an integer layer's weights dequantize to by default: its scales' (the model's),
+    float32 for a GGUF file's float16 ones (its models compute in float32; float16 weights would
+    round the file's)."""
+    return torch.float32 if scales.dtype == torch.float16 else scales.dtype
 
 
 def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor:

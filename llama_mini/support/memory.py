@@ -8,7 +8,9 @@ The counts are lower bounds (the largest allocations, not every temporary), so a
 would not have fitted.
 """
 
+import ctypes
 import os
+import sys
 from typing import Optional
 
 import torch
@@ -63,3 +65,22 @@ def shown(n: int) -> str:
         if n >= size:
             return f"{n / size:.1f} {unit}" if n < 1024 * 2**50 else f"2**{n.bit_length() - 1} bytes"
     return f"{n} bytes"
+
+
+def _glibc_trim():
+    """glibc's malloc_trim, or None where the C library is another (macOS, musl, Windows)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_TRIM = _glibc_trim() if sys.platform.startswith("linux") else None
+
+
+def return_freed_memory() -> None:
+    """Give the heap's freed pages back to the system. Converting a file tensor by tensor frees
+    a few megabytes of temporaries at a time among the tensors kept, and glibc keeps those pages
+    for later allocations: without this, loading a GGUF file peaks at 1.2-1.4x what it keeps."""
+    if _TRIM is not None:
+        _TRIM(0)

@@ -13,7 +13,7 @@ from gguf_files import gguf_names, write_gguf
 from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.names import from_format
 from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
-from llama_mini.quant.gguf_blocks import layer_from_blocks
+from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
 from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
 
 EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear}
@@ -47,8 +47,13 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     blocks = blocks_of(kind, SHAPE)
     layer = layer_from_blocks(kind, blocks, SHAPE)
     expected = files_weights(kind, blocks, SHAPE)
-    assert type(layer) is EXACT[kind] and layer.scales.dtype == torch.float32
-    assert expected.abs().amax() > 0 and torch.equal(layer.dequantize(), expected)
+    assert type(layer) is EXACT[kind]
+    if kind == T.Q4_K:  # factored as the file holds them: a 6-bit integer per group, float32 per super-block
+        assert layer.super_group_size == 256 and layer.super_scales.dtype == torch.float32
+        assert layer.scales.dtype == torch.uint8 and layer.scales.max() < 64 and layer.offsets.max() < 64
+    else:  # the file's own 16-bit floats
+        assert layer.scales.dtype == torch.float16
+    assert expected.abs().amax() > 0 and torch.equal(layer.dequantize(torch.float32), expected)
     if kind != T.Q8_0:  # every code the type has is used (Q8_0's range is the quantizer's)
         assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16}[type(layer)]
 
@@ -65,6 +70,21 @@ def test_other_types_are_int8_within_half_a_step_of_the_files_weights(kind):
     assert 0 < relative < 0.01  # int8 of 5-, 6-bit or coarser weights: under 1% of their rms
 
 
+@pytest.mark.parametrize("shape", [SHAPE, (20, 256)], ids=["sets of eight rows", "int8 for want of them"])
+@pytest.mark.parametrize("kind", [*EXACT, *REQUANTIZED], ids=lambda kind: kind.name)
+def test_the_memory_check_counts_the_bytes_each_layer_holds(kind, shape):
+    """held_bytes, which the memory check adds up before any block is converted, is what the layer holds."""
+    layer = layer_from_blocks(kind, blocks_of(kind, shape), shape)
+    assert held_bytes(kind, shape) == sum(t.numel() * t.element_size() for t in layer.buffers())
+
+
+def test_a_q4_0_block_whose_offset_overflows_float16_is_refused_in_one_line():
+    blocks = blocks_of(T.Q4_0, SHAPE)
+    blocks.reshape(SHAPE[0], -1, 18)[3, 2, :2] = np.array([9000.0], np.float16).view(np.uint8)  # -8 d: -72000
+    with pytest.raises(ValueError, match="beyond a 16-bit float's range .run the file with --dtype float32"):
+        layer_from_blocks(T.Q4_0, blocks, SHAPE)
+
+
 def test_a_matrix_without_sets_of_eight_rows_takes_int8_exactly_for_q4_0():
     shape = (20, 64)
     blocks = blocks_of(T.Q4_0, shape)
@@ -74,11 +94,11 @@ def test_a_matrix_without_sets_of_eight_rows_takes_int8_exactly_for_q4_0():
 
 def test_rows_are_converted_a_chunk_at_a_time_as_whole(monkeypatch):
     """A chunk of 8 rows at a time gives the layer of the whole matrix at once."""
-    import llama_mini.quant.gguf_blocks as gguf_blocks
+    import llama_mini.quant.layers as layers
 
     blocks = blocks_of(T.Q4_K, SHAPE)
     whole = layer_from_blocks(T.Q4_K, blocks, SHAPE)
-    monkeypatch.setattr(gguf_blocks, "_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(layers, "CHUNK_ELEMENTS", 1)
     chunked = layer_from_blocks(T.Q4_K, blocks, SHAPE)
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), chunked.state_dict().values()))
 

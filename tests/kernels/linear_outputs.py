@@ -14,5 +14,9 @@ def linear_outputs(ops) -> list:
     for dtype in (torch.float32, torch.bfloat16):
         x, w = torch.randn(37, 256, generator=g).to(dtype), torch.randn(72, 256, generator=g).to(dtype)
         int8, int4 = Int8Linear.from_weight(w), Int4Linear.from_weight(w)
-        outputs += [ops.linear_int8(x, int8.weight, int8.scales), ops.linear_int4(x, int4.weight, int4.scales, int4.offsets)]
+        factors = torch.randint(0, 64, (2, 72, 8), generator=g, dtype=torch.uint8)  # K-quants' factored scales and offsets
+        factored = Int4Linear.from_codes(int4.codes(), *factors, 32, torch.rand(72, 1, generator=g), -torch.rand(72, 1, generator=g))
+        outputs += [ops.linear_int8(x, int8.weight, int8.scales), ops.linear_int4(x, int4.weight, int4.scales, int4.offsets),
+                    ops.linear_int4(x, factored.weight, factored.scales, factored.offsets, factored.super_scales,
+                                    factored.super_offsets)]
     return outputs

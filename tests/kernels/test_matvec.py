@@ -141,6 +141,28 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
     close(ops.linear_int8(x, pack_int8(w), interleave_rows(scales)), expected, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 70, 200])
+def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, rows):
+    """Scales and offsets as llama.cpp's Q4_K holds them: uint8 factors per group of 32, float32
+    per super-group of 256; each group's products, then the int4 function. 200 rows: multiplied
+    out once for the call (csrc/linear_op.cpp), fewer in the tiles."""
+    from llama_mini.quant.layers import Int4Linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 768, generator=g).to(dtype)
+    codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
+    factors = torch.randint(0, 64, (2, 48, 24), generator=g, dtype=torch.uint8)
+    factors[0, 3, 5] = 255  # the largest a factor can hold
+    supers = (torch.rand(2, 48, 3, generator=g) * 1e-3 * torch.tensor([1.0, -1.0])[:, None, None]).half().float()
+    layer = Int4Linear.from_codes(codes, *factors, 32, *supers)
+    scales, offsets = (s.double().repeat_interleave(8, dim=1) * f.double() for s, f in zip(supers, factors))
+    assert all(torch.equal(a.double(), b) for a, b in zip(layer.group_scales_and_offsets(), (scales, offsets)))  # exact
+    w = (codes.double().unflatten(-1, (24, 32)) * scales[..., None] + offsets[..., None]).flatten(-2)
+    got = ops.linear_int4(x, layer.weight, layer.scales, layer.offsets, layer.super_scales, layer.super_offsets)
+    close(got, quantized_activations(x).double() @ w.t(), dtype)
+
+
 def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():
     """Row 8p + j's inputs 4c..4c+3 are bytes 4j..4j+3 of run c of set p (int4's layout is
     tests/quant/test_quantize.py's)."""
@@ -432,13 +454,22 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 96, generator=g)
-    layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w)}
+    layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w),
+              "factored int4": factored_int4(40, 96, g)}
     for name, layer in layers.items():
         layer = use_cpu_kernels(torch.nn.Sequential(layer.to(dtype)))[0]
         for rows in (2, 17, 64, 150):
             x = torch.randn(rows, 96, generator=g).to(dtype)
             with torch.inference_mode():
                 assert torch.equal(layer(x), torch.cat([layer(row) for row in x.split(1)])), (name, rows)
+
+
+def factored_int4(n, k, g):
+    """An Int4Linear with factored scales and offsets (super-groups of 96 inputs, groups of 32)."""
+    from llama_mini.quant.layers import Int4Linear
+
+    codes, factors = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8)
+    return Int4Linear.from_codes(codes, *factors, 32, torch.rand(n, k // 96, generator=g) * 0.01, -torch.rand(n, k // 96, generator=g) * 0.2)
 
 
 def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):

@@ -22,6 +22,7 @@ from llama_mini.quant.layers import Int4Linear, Int8Linear, quantize_int4, quant
 from llama_mini.quant.layout import deinterleave_rows, interleave_rows, pack_int4, pack_int8, unpack_int4
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.run import corpus
+from fixtures import load_peak
 
 import train as train_cli  # the top-level script, called in-process
 
@@ -378,6 +379,41 @@ def test_a_quantized_checkpoint_loads_without_building_full_precision_layers(tmp
     assert not any(isinstance(m, torch.nn.Linear) for m in loaded.modules())
     x = torch.tensor([[1, 2, 3]])
     assert torch.equal(loaded(x), model(x))
+
+
+@pytest.mark.parametrize("fmt", ["native", "hf", "meta"])
+@pytest.mark.parametrize("method, tied", [("int8", False), ("int4", True)])
+def test_quantizing_as_the_checkpoint_is_read_equals_quantizing_the_loaded_model(tmp_path, fmt, method, tied):
+    """load_checkpoint(quantize=...) quantizes each matrix as it is taken from the file, never
+    building the float model: the same layers, bit for bit, as quantizing the model once loaded,
+    cast to another dtype on the way or not; a tied head becomes an int8 matrix of its own."""
+    torch.manual_seed(0)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=128, multiple_of=32, max_seq_len=32, tie_embeddings=tied)
+    save_checkpoint(Transformer(args).to(torch.bfloat16), tmp_path, format=fmt)
+    for dtype in (None, torch.float32):
+        at_load, after = load_checkpoint(tmp_path, quantize=method, dtype=dtype), quantize(load_checkpoint(tmp_path, dtype=dtype), method)
+        assert at_load.state_dict().keys() == after.state_dict().keys() and not at_load.args.tie_embeddings
+        for name, tensor in after.state_dict().items():
+            assert torch.equal(at_load.state_dict()[name], tensor) and at_load.state_dict()[name].dtype == tensor.dtype, name
+        assert not any(isinstance(m, torch.nn.Linear) for m in at_load.modules())
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_quantizing_at_load_never_holds_the_float_model(tmp_path):
+    """A bfloat16 checkpoint of 29M weights (58 MiB) loaded as float32 and quantized to int8:
+    the peak rises by at most the file's pages, the quantized model and its largest matrix in
+    float32, with 20 MiB to spare (imports, threads); casting the whole model first would add
+    the float32 model's 112 MiB."""
+    args = ModelArgs(dim=512, n_layers=6, n_heads=8, vocab_size=4096, hidden_dim=2048, max_seq_len=64)
+    model = Transformer(args).to(torch.bfloat16)
+    save_checkpoint(model, tmp_path)
+    largest = 4 * args.vocab_size * args.dim
+    del model
+    added, held = load_peak(f"load_checkpoint({str(tmp_path)!r}, dtype=torch.float32, quantize='int8')")
+    file_bytes = sum(f.stat().st_size for f in tmp_path.iterdir())
+    print(f"file {file_bytes / 2**20:.1f} MiB, quantized model {held / 2**20:.1f} MiB, peak +{added / 2**20:.1f} MiB")
+    assert added < file_bytes + held + largest + 20 * 2**20
 
 
 def test_a_quantized_checkpoint_refuses_other_formats_and_another_quantization(tmp_path):

@@ -25,29 +25,37 @@ namespace llama_mini {
 namespace {
 
 // y = x W^T for a linear layer as the block holds it: a float weight (nn.Linear), int8 codes
-// with their scales (Int8Linear), or int4 codes with scales and offsets (Int4Linear).
+// with their scales (Int8Linear), or int4 codes with scales and offsets, factored or not (Int4Linear).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
-                  const std::optional<at::Tensor>& offsets) {
+                  const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& super_scales,
+                  const std::optional<at::Tensor>& super_offsets) {
     if (!scales) return dense_op(x, weight);
     if (!offsets) return int8_op(x, weight, *scales);
-    return int4_op(x, weight, *scales, *offsets);
+    return int4_op(x, weight, *scales, *offsets, super_scales, super_offsets);
 }
 
 }  // namespace
 
 // x (B, T, dim): the residual stream at positions start .. start + T - 1. The seven weights, in
-// the order wq, wk, wv, wo, w1, w2, w3, each with its scales and offsets where quantized. The
+// the order wq, wk, wv, wo, w1, w2, w3, each with its scales and offsets where quantized, and
+// their super-groups' where factored. The
 // norms are RMSNorms over the whole row (rms_norm's eps and summation width); head_dim and
 // kv_heads are the cache's.
 at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const at::Tensor& ffn_norm, double eps,
                     int64_t vector_bytes, at::TensorList weights, const c10::List<std::optional<at::Tensor>>& scales,
-                    const c10::List<std::optional<at::Tensor>>& offsets, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const c10::List<std::optional<at::Tensor>>& offsets,
+                    const c10::List<std::optional<at::Tensor>>& super_scales,
+                    const c10::List<std::optional<at::Tensor>>& super_offsets, at::Tensor& k_cache, at::Tensor& v_cache,
                     const at::Tensor& cos, const at::Tensor& sin, int64_t start) {
-    TORCH_CHECK(weights.size() == 7 && scales.size() == 7 && offsets.size() == 7,
-                "llama_mini::block: seven weights (wq, wk, wv, wo, w1, w2, w3), each with scales and offsets or None");
+    TORCH_CHECK(weights.size() == 7 && scales.size() == 7 && offsets.size() == 7 && super_scales.size() == 7 &&
+                    super_offsets.size() == 7,
+                "llama_mini::block: seven weights (wq, wk, wv, wo, w1, w2, w3), each with scales, offsets, super_scales "
+                "and super_offsets or None");
     TORCH_CHECK(x.dim() == 3 && k_cache.dim() == 4,
                 "llama_mini::block: x (B, T, dim) and a cache (batch, kv_heads, positions, head_dim)");
-    const auto project = [&](const at::Tensor& input, size_t i) { return linear(input, weights[i], scales[i], offsets[i]); };
+    const auto project = [&](const at::Tensor& input, size_t i) {
+        return linear(input, weights[i], scales[i], offsets[i], super_scales[i], super_offsets[i]);
+    };
     const int64_t batch = x.size(0), rows = x.size(1), dim = x.size(2), head_dim = k_cache.size(3);
 
     const at::Tensor h = rms_norm(x, attention_norm, eps, dim, vector_bytes);
@@ -65,7 +73,7 @@ at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const
 
 TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("block(Tensor x, Tensor attention_norm, Tensor ffn_norm, float eps, int vector_bytes, "
-          "Tensor[] weights, Tensor?[] scales, Tensor?[] offsets, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
+          "Tensor[] weights, Tensor?[] scales, Tensor?[] offsets, Tensor?[] super_scales, Tensor?[] super_offsets, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor cos, "
           "Tensor sin, int start) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) { m.impl("block", llama_mini::block_op); }

@@ -5,8 +5,8 @@
 // so the compiler checks that they agree.
 //
 // Every linear kernel computes y (rows, n) = x (rows, k) W^T for any number of rows of x, in
-// float32 arithmetic; x and y are float32 (x_bf16 / y_bf16: bfloat16 bits instead), scales
-// float32 (scales_bf16: bfloat16).
+// float32 arithmetic; x and y are float32 (x_bf16 / y_bf16: bfloat16 bits instead), and an
+// integer layer's scales float32, bfloat16 or float16 (scales_dtype 0, 1 or 2).
 #pragma once
 #include <cstdint>
 
@@ -35,7 +35,7 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
 // bytes: eight runs c of 32 bytes, in which bytes 4j..4j+3 are inputs 4c..4c+3 of the block in
 // row 8p + j. scales are (n / 8, k / 32, 8): the eight rows of a set side by side.
 extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* w,
-                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_bf16,
+                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_dtype,
                             int y_bf16, int threads);
 
 // W int4 in groups of `group` (a multiple of 32) along k: W[i, j] = q * scale + offset, the
@@ -43,10 +43,14 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
 // and block b of 32 inputs, codes[p, b] is 128 bytes: four runs c of 32 bytes, in which bytes
 // 4j..4j+3 belong to row 8p + j, byte 4j + u holding input 8c + u of the block in its low
 // nibble and input 8c + 4 + u in its high nibble. scales and offsets are (n / 8, groups, 8):
-// the eight rows of a set side by side.
+// the eight rows of a set side by side. Factored (super_scales not null, llama.cpp's K-quants):
+// scales and offsets are uint8 factors, and a group's scale is its factor times super_scales'
+// value for its super-group of `super_group` inputs (offsets likewise), in float32;
+// super_scales and super_offsets are (n / 8, k / super_group, 8), of scales_dtype.
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const void* scales, const void* offsets, void* y, int64_t rows, int64_t n, int64_t k,
-                            int64_t group, int scales_bf16, int y_bf16, int threads);
+                            const void* scales, const void* offsets, const void* super_scales,
+                            const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
+                            int64_t k, int64_t group, int scales_dtype, int y_bf16, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored

@@ -398,7 +398,7 @@ struct Int8Format {
         Floats16 s;
     };
     const void* scales;
-    bool bf16;
+    int scale_type;
     int64_t blocks;
 
     static Ints16 start(int32_t activation_sum) { return int8_block_start(activation_sum); }
@@ -406,7 +406,7 @@ struct Int8Format {
     static Inputs inputs(const int8_t* x, int c) { return four_bytes(x + 4 * c); }
     static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return int8_dot(acc, w, x); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
-        return {set_pair_scales(scales, bf16, first, second, blocks, b)};
+        return {set_pair_scales(scales, scale_type, first, second, blocks, b)};
     }
     static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t) { return int8_block(acc, isum, s.s, d); }
 };
@@ -426,7 +426,7 @@ struct Int4Format {
     };
     const void* scales;
     const void* offsets;
-    bool bf16;
+    int scale_type;  // the offsets' too
     int64_t groups, per_group;  // blocks per group
 
     static Ints16 start(int32_t) { return Ints16::all(0); }
@@ -439,10 +439,24 @@ struct Int4Format {
     static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return u4_dot(u4_dot(acc, w.low, x.low), w.high, x.high); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
         const int64_t g = b / per_group;
-        return {set_pair_scales(scales, bf16, first, second, groups, g), set_pair_scales(offsets, bf16, first, second, groups, g)};
+        return {set_pair_scales(scales, scale_type, first, second, groups, g), set_pair_scales(offsets, scale_type, first, second, groups, g)};
     }
     static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t activation_sum) {
         return int4_block(acc, isum, s.s, s.offsets, d, activation_sum);
+    }
+};
+
+// int4 with factored scales and offsets (llama.cpp's K-quants): a group's are its uint8
+// factors times its super-group's floats (of scale_type), multiplied in float32 as quant/layers.py does.
+struct FactoredInt4Format : Int4Format {
+    const void* super_scales;
+    const void* super_offsets;
+    int64_t supers, groups_per_super;
+
+    Scales scales_of(int64_t first, int64_t second, int64_t b) const {
+        const int64_t g = b / per_group, s = g / groups_per_super;
+        return {mul(set_pair_factors(scales, first, second, groups, g), set_pair_scales(super_scales, scale_type, first, second, supers, s)),
+                mul(set_pair_factors(offsets, first, second, groups, g), set_pair_scales(super_offsets, scale_type, first, second, supers, s))};
     }
 };
 
@@ -594,16 +608,21 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
 }
 
 extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* codes,
-                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_bf16,
+                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_dtype,
                             int y_bf16, int threads) {
-    integer_linear({xq, xd, xsum}, Int8Format{scales, scales_bf16 != 0, k / BLOCK}, codes, y, rows, n, k, y_bf16, threads);
+    integer_linear({xq, xd, xsum}, Int8Format{scales, scales_dtype, k / BLOCK}, codes, y, rows, n, k, y_bf16, threads);
 }
 
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const void* scales, const void* offsets, void* y, int64_t rows, int64_t n, int64_t k,
-                            int64_t group, int scales_bf16, int y_bf16, int threads) {
-    integer_linear({xq, xd, xsum}, Int4Format{scales, offsets, scales_bf16 != 0, k / group, group / BLOCK}, codes, y, rows,
-                   n, k, y_bf16, threads);
+                            const void* scales, const void* offsets, const void* super_scales,
+                            const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
+                            int64_t k, int64_t group, int scales_dtype, int y_bf16, int threads) {
+    const Int4Format format{scales, offsets, scales_dtype, k / group, group / BLOCK};
+    if (super_scales)
+        integer_linear({xq, xd, xsum}, FactoredInt4Format{format, super_scales, super_offsets, k / super_group, super_group / group},
+                       codes, y, rows, n, k, y_bf16, threads);
+    else
+        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_bf16, threads);
 }
 
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.
@@ -615,6 +634,6 @@ extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
-                            void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
+                            const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
 
 #endif

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -61,8 +62,7 @@ struct IntegerCall {
     const Activations& x;
 };
 
-IntegerCall integer_call(const at::Tensor& x, const at::Tensor& scales, int64_t n, int64_t k) {
-    check_float(scales, "the scales");
+IntegerCall integer_call(const at::Tensor& x, int64_t n, int64_t k) {
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
     const int64_t rows = rows_of(xc);
@@ -103,14 +103,23 @@ at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     const int64_t n = weight.size(0) * 8, k = weight.size(1) / 8;
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == weight.size(0) && scales.size(1) == k / 32 * 8 && scales.is_contiguous(),
                 "llama_mini::linear_int8: scales (rows / 8, inputs / 32 * 8), one per row and block of 32 inputs");
-    const IntegerCall call = integer_call(x, scales, n, k);
+    const int dtype = scales_dtype(scales);
+    const IntegerCall call = integer_call(x, n, k);
     ::linear_int8(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), weight.const_data_ptr<int8_t>(),
-                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, is_bf16(scales), is_bf16(call.y),
+                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, dtype, is_bf16(call.y),
                   threads_for(call.rows, n, k));
     return call.y;
 }
 
-at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets) {
+// Factored scales and offsets (K-quants) are multiplied out in the tiles (a decoding step reads
+// the weights' bytes as held), and once for the call for FACTORED_ROWS rows or more: a long
+// prompt's tiles would multiply each pair's again every few rows, while multiplying out a whole
+// matrix's (1/32 of its weights, three passes) costs more than that below about this many rows.
+// The same float32 products either way.
+constexpr int64_t FACTORED_ROWS = 128;
+
+at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                   const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
                 "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
     const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
@@ -119,10 +128,38 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                     (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == offsets.sizes() &&
                     scales.is_contiguous() && offsets.is_contiguous() && scales.scalar_type() == offsets.scalar_type(),
                 "llama_mini::linear_int4: scales and offsets (rows / 8, groups * 8), groups a multiple of 32 inputs");
-    const IntegerCall call = integer_call(x, scales, n, k);
+    const int64_t group = k == 0 ? 32 : k / (width / 8);
+    if (!super_scales && !super_offsets) {
+        const int dtype = scales_dtype(scales);
+        const IntegerCall call = integer_call(x, n, k);
+        ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
+                      scales.const_data_ptr(), offsets.const_data_ptr(), nullptr, nullptr, 0, call.y.mutable_data_ptr(),
+                      call.rows, n, k, group, dtype, is_bf16(call.y), threads_for(call.rows, n, k));
+        return call.y;
+    }
+    TORCH_CHECK(super_scales && super_offsets && scales.scalar_type() == at::kByte, "llama_mini::linear_int4: factored "
+                "scales and offsets are uint8, with both super_scales and super_offsets");
+    const at::Tensor& s = *super_scales;
+    const int64_t super_width = s.dim() == 2 ? s.size(1) : 0;
+    TORCH_CHECK(s.dim() == 2 && s.size(0) == codes.size(0) && super_width >= 8 && super_width % 8 == 0 &&
+                    width % super_width == 0 && s.sizes() == super_offsets->sizes() && s.is_contiguous() &&
+                    super_offsets->is_contiguous() && s.scalar_type() == super_offsets->scalar_type(),
+                "llama_mini::linear_int4: super_scales and super_offsets (rows / 8, super-groups * 8), of one dtype, "
+                "each super-group a whole number of groups");
+    if (rows_of(x) >= FACTORED_ROWS) {  // a prompt: multiplied out once for the call
+        const auto products = [&](const at::Tensor& factors, const at::Tensor& supers) {
+            const int64_t sets = codes.size(0), count = super_width / 8, per = width / super_width;
+            return at::mul(supers.to(at::kFloat).view({sets, count, 1, 8}).expand({sets, count, per, 8}).reshape({sets, width}),
+                           factors.to(at::kFloat));
+        };
+        return int4_op(x, codes, products(scales, s), products(offsets, *super_offsets), std::nullopt, std::nullopt);
+    }
+    const int dtype = scales_dtype(s);
+    const IntegerCall call = integer_call(x, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr(), offsets.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k,
-                  k == 0 ? 32 : k / (width / 8), is_bf16(scales), is_bf16(call.y), threads_for(call.rows, n, k));
+                  scales.const_data_ptr(), offsets.const_data_ptr(), s.const_data_ptr(), super_offsets->const_data_ptr(),
+                  k / (super_width / 8), call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, is_bf16(call.y),
+                  threads_for(call.rows, n, k));
     return call.y;
 }
 
@@ -134,7 +171,8 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets) -> Tensor");
+    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? super_scales=None, "
+          "Tensor? super_offsets=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);

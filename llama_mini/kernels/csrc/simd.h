@@ -301,9 +301,27 @@ inline Floats16 int4_block(Floats16 acc, Ints16 isum, Floats16 scales, Floats16 
     return fma(Floats16::all(d * static_cast<float>(xsum)), offsets, acc);
 }
 
+// The dtypes an integer layer's scales come in (kernels.h's scales_dtype).
+enum ScaleType : int { SCALES_F32 = 0, SCALES_BF16 = 1, SCALES_F16 = 2 };
+
+// Eight scales from p + i, as floats.
+inline __m256 load8_scales(const void* p, int64_t i, int type) {
+    if (type == SCALES_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
+    return load8(p, i, type == SCALES_BF16);
+}
+
 // The scales (or offsets) of sets `first` and `second` for group g: (sets, groups, 8) interleaved.
-inline Floats16 set_pair_scales(const void* scales, bool bf16, int64_t first, int64_t second, int64_t groups, int64_t g) {
-    return Floats16::join(load8(scales, (first * groups + g) * 8, bf16), load8(scales, (second * groups + g) * 8, bf16));
+inline Floats16 set_pair_scales(const void* scales, int type, int64_t first, int64_t second, int64_t groups, int64_t g) {
+    return Floats16::join(load8_scales(scales, (first * groups + g) * 8, type), load8_scales(scales, (second * groups + g) * 8, type));
+}
+
+// The uint8 factors of sets `first` and `second` for group g, as floats: (sets, groups, 8).
+inline Floats16 set_pair_factors(const void* factors, int64_t first, int64_t second, int64_t groups, int64_t g) {
+    const auto eight = [&](int64_t set) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (set * groups + g) * 8));
+        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    };
+    return Floats16::join(eight(first), eight(second));
 }
 
 // --- Threads ------------------------------------------------------------------------
