@@ -245,7 +245,10 @@ def load_gguf_blocks(path: Path):
         if info.type in FLOATS:
             floats[ours] = file.tensor(theirs).float()
             continue
-        layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
+        try:
+            layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
+        except ValueError as e:  # a block no layer holds exactly
+            raise ValueError(f"{path}: tensor {theirs}: {e}") from None
         file.release(theirs)
         return_freed_memory()
         kinds.setdefault(info.type.name, "int4" if isinstance(layer, Int4Linear) else "int8")

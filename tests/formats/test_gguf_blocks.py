@@ -78,11 +78,17 @@ def test_the_memory_check_counts_the_bytes_each_layer_holds(kind, shape):
     assert held_bytes(kind, shape) == sum(t.numel() * t.element_size() for t in layer.buffers())
 
 
-def test_a_q4_0_block_whose_offset_overflows_float16_is_refused_in_one_line():
+def test_a_q4_0_block_whose_offset_overflows_float16_is_refused_in_one_line_naming_the_file(tmp_path):
     blocks = blocks_of(T.Q4_0, SHAPE)
     blocks.reshape(SHAPE[0], -1, 18)[3, 2, :2] = np.array([9000.0], np.float16).view(np.uint8)  # -8 d: -72000
     with pytest.raises(ValueError, match="beyond a 16-bit float's range .run the file with --dtype float32"):
         layer_from_blocks(T.Q4_0, blocks, SHAPE)
+    _, tensors = write_file(tmp_path / "a.gguf", {"blk.0.attn_q.weight": T.Q4_0})
+    tensors["blk.0.attn_q.weight"][0].reshape(ARGS.dim, -1, 18)[3, 2, :2] = np.array([9000.0], np.float16).view(np.uint8)
+    path = write_gguf(tmp_path / "b.gguf", ARGS, tensors)
+    with pytest.raises(ValueError, match=r"b\.gguf: tensor blk\.0\.attn_q\.weight: a Q4_0 block's scale is over 8188"):
+        load_checkpoint(path)
+    assert torch.isfinite(load_checkpoint(path, dtype=torch.float32).layers[0].attention.wq.weight).all()  # the fix it names
 
 
 def test_a_matrix_without_sets_of_eight_rows_takes_int8_exactly_for_q4_0():

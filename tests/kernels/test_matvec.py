@@ -142,11 +142,11 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, 70, 200])
+@pytest.mark.parametrize("rows", [1, 5, 15, 16, 70])
 def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, rows):
     """Scales and offsets as llama.cpp's Q4_K holds them: uint8 factors per group of 32, float32
-    per super-group of 256; each group's products, then the int4 function. 200 rows: multiplied
-    out once for the call (csrc/linear_op.cpp), fewer in the tiles."""
+    per super-group of 256; each group's products, then the int4 function. From 16 rows they are
+    multiplied out once for the call (csrc/linear.cpp), for fewer in the tiles."""
     from llama_mini.quant.layers import Int4Linear
 
     g = torch.Generator().manual_seed(rows)

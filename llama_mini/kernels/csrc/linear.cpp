@@ -460,6 +460,26 @@ struct FactoredInt4Format : Int4Format {
     }
 };
 
+// A prompt's tiles meet each pair of sets' scales again every few rows: from FACTORED_ROWS rows
+// on, factored scales and offsets are multiplied out once for the call, in one pass over them
+// (a sixteenth of the weights' count), and the tiles read the products; fewer rows (a decoding
+// step) multiply them in the tiles, reading the weights' bytes as held. The same float32
+// products either way.
+constexpr int64_t FACTORED_ROWS = 16;
+
+// out (sets, groups, 8) = the uint8 factors (sets, groups, 8) times their super-groups' values
+// (sets, groups / per_super, 8, of scale type `type`), as FactoredInt4Format multiplies them.
+void multiply_out(const void* factors, const void* supers, int type, float* out, int64_t sets, int64_t groups,
+                  int64_t per_super, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < sets; p++)
+        for (int64_t g = 0; g < groups; g++) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (p * groups + g) * 8));
+            const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+            _mm256_storeu_ps(out + (p * groups + g) * 8, _mm256_mul_ps(f, load8_scales(supers, (p * (groups / per_super) + g / per_super) * 8, type)));
+        }
+}
+
 // Outputs (m0 .. m0 + MR - 1) of the sets of pairs, for weights in format F.
 template <int MR, int NZ, typename F, typename Y>
 void integer_tile(const Activations& a, const F& format, const void* codes, Y* y, int64_t n, int64_t k, int64_t m0,
@@ -618,11 +638,20 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
                             int64_t k, int64_t group, int scales_dtype, int y_bf16, int threads) {
     const Int4Format format{scales, offsets, scales_dtype, k / group, group / BLOCK};
-    if (super_scales)
+    if (!super_scales) {
+        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_bf16, threads);
+    } else if (rows < FACTORED_ROWS) {
         integer_linear({xq, xd, xsum}, FactoredInt4Format{format, super_scales, super_offsets, k / super_group, super_group / group},
                        codes, y, rows, n, k, y_bf16, threads);
-    else
-        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_bf16, threads);
+    } else {
+        thread_local std::vector<float> products;  // the largest matrix's, kept: 1/16 of its weights' count
+        const int64_t sets = n / 8, groups = k / group, count = sets * groups * 8;
+        products.resize(2 * count);
+        multiply_out(scales, super_scales, scales_dtype, products.data(), sets, groups, super_group / group, threads);
+        multiply_out(offsets, super_offsets, scales_dtype, products.data() + count, sets, groups, super_group / group, threads);
+        integer_linear({xq, xd, xsum}, Int4Format{products.data(), products.data() + count, SCALES_F32, groups, group / BLOCK},
+                       codes, y, rows, n, k, y_bf16, threads);
+    }
 }
 
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.

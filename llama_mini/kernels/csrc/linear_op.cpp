@@ -5,7 +5,6 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/mul.h>
 #include <torch/library.h>
 
 #include <vector>
@@ -111,13 +110,6 @@ at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     return call.y;
 }
 
-// Factored scales and offsets (K-quants) are multiplied out in the tiles (a decoding step reads
-// the weights' bytes as held), and once for the call for FACTORED_ROWS rows or more: a long
-// prompt's tiles would multiply each pair's again every few rows, while multiplying out a whole
-// matrix's (1/32 of its weights, three passes) costs more than that below about this many rows.
-// The same float32 products either way.
-constexpr int64_t FACTORED_ROWS = 128;
-
 at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
@@ -129,37 +121,26 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                     scales.is_contiguous() && offsets.is_contiguous() && scales.scalar_type() == offsets.scalar_type(),
                 "llama_mini::linear_int4: scales and offsets (rows / 8, groups * 8), groups a multiple of 32 inputs");
     const int64_t group = k == 0 ? 32 : k / (width / 8);
-    if (!super_scales && !super_offsets) {
-        const int dtype = scales_dtype(scales);
-        const IntegerCall call = integer_call(x, n, k);
-        ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                      scales.const_data_ptr(), offsets.const_data_ptr(), nullptr, nullptr, 0, call.y.mutable_data_ptr(),
-                      call.rows, n, k, group, dtype, is_bf16(call.y), threads_for(call.rows, n, k));
-        return call.y;
+    const void* supers[2] = {nullptr, nullptr};
+    int64_t super_group = 0;
+    if (super_scales || super_offsets) {
+        TORCH_CHECK(super_scales && super_offsets && scales.scalar_type() == at::kByte, "llama_mini::linear_int4: factored "
+                    "scales and offsets are uint8, with both super_scales and super_offsets");
+        const at::Tensor& s = *super_scales;
+        const int64_t super_width = s.dim() == 2 ? s.size(1) : 0;
+        TORCH_CHECK(s.dim() == 2 && s.size(0) == codes.size(0) && super_width >= 8 && super_width % 8 == 0 &&
+                        width % super_width == 0 && s.sizes() == super_offsets->sizes() && s.is_contiguous() &&
+                        super_offsets->is_contiguous() && s.scalar_type() == super_offsets->scalar_type(),
+                    "llama_mini::linear_int4: super_scales and super_offsets (rows / 8, super-groups * 8), of one dtype, "
+                    "each super-group a whole number of groups");
+        supers[0] = s.const_data_ptr(), supers[1] = super_offsets->const_data_ptr();
+        super_group = k / (super_width / 8);
     }
-    TORCH_CHECK(super_scales && super_offsets && scales.scalar_type() == at::kByte, "llama_mini::linear_int4: factored "
-                "scales and offsets are uint8, with both super_scales and super_offsets");
-    const at::Tensor& s = *super_scales;
-    const int64_t super_width = s.dim() == 2 ? s.size(1) : 0;
-    TORCH_CHECK(s.dim() == 2 && s.size(0) == codes.size(0) && super_width >= 8 && super_width % 8 == 0 &&
-                    width % super_width == 0 && s.sizes() == super_offsets->sizes() && s.is_contiguous() &&
-                    super_offsets->is_contiguous() && s.scalar_type() == super_offsets->scalar_type(),
-                "llama_mini::linear_int4: super_scales and super_offsets (rows / 8, super-groups * 8), of one dtype, "
-                "each super-group a whole number of groups");
-    if (rows_of(x) >= FACTORED_ROWS) {  // a prompt: multiplied out once for the call
-        const auto products = [&](const at::Tensor& factors, const at::Tensor& supers) {
-            const int64_t sets = codes.size(0), count = super_width / 8, per = width / super_width;
-            return at::mul(supers.to(at::kFloat).view({sets, count, 1, 8}).expand({sets, count, per, 8}).reshape({sets, width}),
-                           factors.to(at::kFloat));
-        };
-        return int4_op(x, codes, products(scales, s), products(offsets, *super_offsets), std::nullopt, std::nullopt);
-    }
-    const int dtype = scales_dtype(s);
+    const int dtype = scales_dtype(supers[0] ? *super_scales : scales);
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr(), offsets.const_data_ptr(), s.const_data_ptr(), super_offsets->const_data_ptr(),
-                  k / (super_width / 8), call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, is_bf16(call.y),
-                  threads_for(call.rows, n, k));
+                  scales.const_data_ptr(), offsets.const_data_ptr(), supers[0], supers[1], super_group,
+                  call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, is_bf16(call.y), threads_for(call.rows, n, k));
     return call.y;
 }
 
