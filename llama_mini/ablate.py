@@ -16,7 +16,9 @@ alike, and no variant always runs first or always follows the same one: in a fix
 runs' speeds followed their position in the round (docs/ablation.md). Evaluation is not timed.
 
 Writes to --out: report.md (final validation loss in nats per token and bits per byte, mean
-and sd over seeds; tokens/s; steps/s; training time to reach a target loss; parameter count;
+and sd over seeds; tokens/s; steps/s; the time a step spends in the norms, each norm's forward
+and backward timed apart after training, beside the whole step's; training time to reach a
+target loss; parameter count;
 and for each pair of variants the verdict: the paired differences over seeds with their 95%
 intervals and p-values, support/paired.py), metrics.csv (every step of every run) and, with
 matplotlib installed, val_loss_vs_step.png and val_loss_vs_time.png (the paper's Figure 1, in
@@ -24,6 +26,7 @@ bits per byte).
 """
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -38,6 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+import torch
+from torch import nn
 from tqdm import tqdm
 
 from .support.cli import check_number, flag, run_main
@@ -54,6 +59,7 @@ from .trainer import NonFiniteLoss
 # seeds: nine runs) fits in a coffee break on a laptop's CPU; docs/ablation.md has the times.
 DEFAULTS = dict(dim=128, n_layers=4, n_heads=4, batch_size=16, seq_len=128, max_steps=300, warmup_steps=30, eval_every=25, eval_iters=5)
 NORMS_BY_DEFAULT = "rmsnorm,layernorm,none"
+NORM_TIMINGS = 9  # rounds of each run's norms timed apart after training; the median is reported
 # Flags that say where a run writes, what it starts from or how it is watched, not what it
 # trains: varying one would compare nothing (the seeds are the ablation's own, --seeds).
 NOT_VARIED = ("out", "run_name", "resume", "init_from", "cache_dir", "seed", "save_every", "keep_checkpoints",
@@ -70,6 +76,7 @@ class Run:
     seconds: float = 0.0  # this run's own training time, evaluation excluded
     steps: list = field(default_factory=list)  # {"step", "time", "train_loss"[, "val_loss", "val_bpb"]}
     diverged_at: Optional[int] = None
+    norm_timings: list = field(default_factory=list)  # seconds of a step's norms, each timed apart (time_norms)
 
     @property
     def evals(self) -> list:
@@ -80,6 +87,24 @@ class Run:
         if not self.steps:
             self.steps.append({"step": 0, "time": 0.0})
         self.steps[-1].update(self.training.evaluate())
+
+    def time_norms(self) -> None:
+        """Time what one training step spends in the model's norms, apart from the step: each
+        norm's forward and backward on activations of the step's shape, under the step's
+        autocast. The step's time holds it and everything else; this is the norm kernel's own."""
+        training = self.training
+        norms = [m for name, m in training.raw_model.named_modules() if name.endswith("norm") and not isinstance(m, nn.Identity)]
+        cfg = training.cfg
+        x = torch.randn(cfg.batch_size, cfg.seq_len, cfg.dim, device=training.device, requires_grad=True)
+        bf16 = torch.autocast(x.device.type, dtype=torch.bfloat16) if training.trainer.bf16 else contextlib.nullcontext()
+        start = time.perf_counter()
+        for norm in norms:
+            with bf16:
+                y = norm(x)
+            torch.autograd.grad(y, (x, *norm.parameters()), torch.ones_like(y))  # the parameters' .grad untouched
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.norm_timings.append(time.perf_counter() - start)
 
     def step(self) -> None:
         trainer = self.training.trainer
@@ -134,6 +159,9 @@ def ablate(variants: list, seeds: int, cfg: TrainConfig, out: Path, target_loss:
             alive = {n: [r.steps[-1]["train_loss"] for r in runs if r.variant == n and r.diverged_at is None] for n in labels}
             bar.set_postfix({n: f"{statistics.mean(v):.3f}" if v else "diverged" for n, v in alive.items()}, refresh=False)
 
+    for _ in range(NORM_TIMINGS):  # interleaved as the steps were, so load falls on all runs alike
+        for run in rng.sample(runs, len(runs)):
+            run.time_norms()
     tokens_per_step = cfg.batch_size * cfg.seq_len * cfg.grad_accum
     rows = summarize(runs, labels, tokens_per_step, target_loss)
     pairs = compare(runs, labels, tokens_per_step, rows[0]["target_loss"])
@@ -204,6 +232,9 @@ def summarize(runs: list, labels: list, tokens_per_step: int, target_loss: Optio
             "runs": len(mine),
             "diverged": [r.diverged_at for r in mine if r.diverged_at is not None],
             "params": mine[0].training.n_params,
+            "step_ms": 1000 * seconds / steps if steps else math.nan,
+            "norm_ms": 1000 * statistics.mean(statistics.median(r.norm_timings) * r.training.cfg.grad_accum for r in mine)
+            if all(r.norm_timings for r in mine) else None,
         })
     return rows
 
@@ -213,8 +244,8 @@ def table(rows: list) -> str:
     target = rows[0]["target_loss"]
     lines = [
         f"| variant | final val loss, nats/token (mean ± sd) | bits/byte (mean ± sd) | tokens/s | steps/s "
-        f"| time to val loss {target:.3f} | parameters |",
-        "|---|---|---|---|---|---|---|",
+        f"| a step's norms, timed apart (share of the step) | time to val loss {target:.3f} | parameters |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if math.isnan(r["val_loss"]):
@@ -227,7 +258,9 @@ def table(rows: list) -> str:
         reach = f"{r['time_to_target']:.1f} s" if r["time_to_target"] is not None else "not reached"
         if r["time_to_target"] is not None and r["reached"] < r["runs"]:
             reach += f" ({r['reached']}/{r['runs']} runs)"
-        lines.append(f"| {r['variant']} | {loss} | {bpb} | {r['tokens_per_s']:,.0f} | {r['steps_per_s']:.2f} | {reach} | {r['params']:,} |")
+        norms = "" if r["norm_ms"] is None else f"{r['norm_ms']:.2f} ms ({r['norm_ms'] / r['step_ms']:.1%})"
+        lines.append(f"| {r['variant']} | {loss} | {bpb} | {r['tokens_per_s']:,.0f} | {r['steps_per_s']:.2f} | {norms} | {reach} "
+                     f"| {r['params']:,} |")
     return "\n".join(lines)
 
 

@@ -183,6 +183,19 @@ def test_cli_writes_report_metrics_and_plots(tmp_path, data):
     assert (out / "val_loss_vs_step.png").stat().st_size > 0 and (out / "val_loss_vs_time.png").stat().st_size > 0
 
 
+def test_the_norms_time_is_reported_apart_from_the_steps(tmp_path, data):
+    """Each norm's forward and backward, timed apart after training on the step's activations:
+    a share of the step's time for RMSNorm, none for the model without norms."""
+    out = tmp_path / "ablation"
+    assert main(flags(**TINY, **data, norms="rmsnorm,none", seeds=1, max_steps=2, warmup_steps=1, eval_every=2, out=out,
+                      device="cpu")) == 0
+    rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in (out / "report.md").read_text().splitlines()
+            if line.startswith(("| rmsnorm |", "| none |"))}
+    rms, share = rows["rmsnorm"][5].split(" ms (")
+    assert float(rms) > 0 and 0 < float(share.rstrip("%)")) < 100
+    assert rows["none"][5] == "0.00 ms (0.0%)"
+
+
 def test_unknown_norm_is_a_one_line_error(capsys):
     assert main(["--norms", "rmsnorm,batchnorm"]) == 2
     err = capsys.readouterr().err
