@@ -109,8 +109,8 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor) -> "Int8Linear":
         """The layer of int8 codes (out, in) and scales (out, blocks of 32 inputs)."""
-        layer = cls(codes.shape[1], codes.shape[0], scales.dtype, device="meta")
-        layer.weight, layer.scales = (pack_int8(codes), interleave_rows(scales)) if layer.rows_of_8 else (codes, scales)
+        layer = cls(codes.shape[1], codes.shape[0], scales.dtype, device=codes.device)
+        layer.store_rows(0, codes, scales)
         return layer
 
     def codes(self) -> torch.Tensor:
@@ -139,7 +139,7 @@ class Int8Linear(nn.Module):
         """Rows ids of W, (len(ids), in_features) in dtype (default: float_dtype), dequantizing those rows only."""
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             codes = self.weight.view(-1, self.in_features // 4, ROW_SET, 4)[ids // ROW_SET, :, ids % ROW_SET]
-            scales = self.scales.view(len(self.scales), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
+            scales = rows_of_sets(self.scales, ids)
         else:
             codes, scales = self.weight[ids], self.scales[ids]
         w = codes.reshape(len(ids), -1).float()
@@ -228,10 +228,8 @@ class Int4Linear(nn.Module):
         with super_scales and super_offsets (out, super-groups), the latter are their uint8 factors."""
         factored = super_scales is not None
         dtype, super_group_size = (super_scales.dtype, codes.shape[1] // super_scales.shape[1]) if factored else (scales.dtype, 0)
-        layer = cls(codes.shape[1], codes.shape[0], group_size, dtype, device="meta", super_group_size=super_group_size)
-        layer.weight, layer.scales, layer.offsets = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
-        if factored:
-            layer.super_scales, layer.super_offsets = interleave_rows(super_scales), interleave_rows(super_offsets)
+        layer = cls(codes.shape[1], codes.shape[0], group_size, dtype, device=codes.device, super_group_size=super_group_size)
+        layer.store_rows(0, codes, scales, offsets, super_scales, super_offsets)
         return layer
 
     def codes(self) -> torch.Tensor:
@@ -270,10 +268,10 @@ class Int4Linear(nn.Module):
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
             codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
-            scales, offsets = (t.view(len(t), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET] for t in (self.scales, self.offsets))
+            scales, offsets = rows_of_sets(self.scales, ids), rows_of_sets(self.offsets, ids)
             if self.super_group_size:
-                scales, offsets = (self.factored(t, s.view(len(s), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET])
-                                   for t, s in ((scales, self.super_scales), (offsets, self.super_offsets)))
+                scales = self.factored(scales, rows_of_sets(self.super_scales, ids))
+                offsets = self.factored(offsets, rows_of_sets(self.super_offsets, ids))
         else:
             codes, scales, offsets = unpack_int4_rows(self.weight[ids]), self.scales[ids], self.offsets[ids]
         w = codes.reshape(len(ids), -1, self.group_size).float()
@@ -329,6 +327,11 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+def rows_of_sets(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids of scales held in sets of eight rows side by side, (n / 8, groups * 8) -> (len(ids), groups)."""
+    return t.view(len(t), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
 
 
 CHUNK_ELEMENTS = 1 << 20  # weights quantized or converted at once

@@ -239,7 +239,7 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
     assert step.isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
@@ -249,7 +249,10 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
     from llama_mini.quant.layers import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
-    layer = (Int8Linear if kind == "int8" else Int4Linear).from_weight(torch.randn(16, 96, generator=g).to(dtype))
+    w = torch.randn(16, 96, generator=g).to(dtype)
+    layer = {"int8": lambda: Int8Linear.from_weight(w), "int4": lambda: Int4Linear.from_weight(w),
+             "int8, float16 scales": lambda: Int8Linear.from_weight(w, torch.float16),  # a GGUF file's Q8_0
+             "factored int4": lambda: factored_int4(16, 96, g).to(dtype)}[kind]()  # a GGUF file's Q4_K
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95):
         x = torch.randn(3, 96, generator=g).to(dtype)
