@@ -53,7 +53,7 @@ def timed(run) -> float:
 
 
 def as_held(weight: torch.Tensor) -> torch.Tensor:
-    """weight as use_cpu_kernels holds it for the kernels: in panels where they read float32 so (AVX2)."""
+    """weight as use_cpu_kernels holds it for the kernels: in panels of sixteen outputs."""
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     return use_cpu_kernels(torch.nn.Sequential(linear))[0].weight

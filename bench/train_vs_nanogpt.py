@@ -23,6 +23,7 @@ pass its folder (a checkout of github.com/karpathy/nanoGPT) as --nanogpt.
     python bench/train_vs_nanogpt.py --nanogpt ../nanoGPT
     python bench/train_vs_nanogpt.py --nanogpt ../nanoGPT --llama-args="--compile"      # llama_mini compiled
     python bench/train_vs_nanogpt.py --nanogpt ../nanoGPT --max-steps 200               # a quick look
+    python bench/train_vs_nanogpt.py --nanogpt ../nanoGPT --seeds 3                     # three pairs: the spread
 """
 
 import argparse
@@ -31,6 +32,7 @@ import os
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -132,8 +134,6 @@ def time_to(points, target):
 
 def step_ms(run_dir: Path, nanogpt_log: Path):
     """Median milliseconds per training step of each (llama_mini's metrics.jsonl, nanoGPT's iter lines)."""
-    import statistics
-
     rows = [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
     times = [r["time"] for r in rows if "time" in r]
     llama = statistics.median(b - a for a, b in zip(times[1:], times[2:])) * 1e3
@@ -167,8 +167,9 @@ def plot(path: Path, runs: dict, target: float) -> None:
     print(f"plot: {path}")
 
 
-def report(runs: dict, work=None) -> None:
-    """The tables: loss at equal steps, at equal wall time, and the time to nanoGPT's final loss."""
+def report(runs: dict, work=None):
+    """The tables: loss at equal steps, at equal wall time, and the time to nanoGPT's final loss;
+    returns llama_mini's time to that loss as a fraction of nanoGPT's (None if it never gets there)."""
     ng, lm = runs["nanoGPT"], runs["llama_mini"]
     target = ng.points[-1][2]
 
@@ -210,6 +211,7 @@ def report(runs: dict, work=None) -> None:
         print(f"median training step: nanoGPT {ng_ms:.1f} ms, llama_mini {lm_ms:.1f} ms ({lm_ms / ng_ms:.2f}x)")
     except (OSError, ValueError, TypeError):  # no logs (--report)
         pass
+    return lm_reach[0] / ng.points[-1][1] if lm_reach else None
 
 
 def main():
@@ -220,6 +222,9 @@ def main():
     p.add_argument("--llama-args", default="",
                    help="more train.py flags for llama_mini, e.g. --compile (default: none)")
     p.add_argument("--threads", type=int, default=1, help="threads per process (default: 1)")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="pairs to run one after another, llama_mini with --seed 1337, 1338, ... (nanoGPT's train.py "
+                        "fixes its own seed: its losses repeat, its time varies); the spread of the ratios (default: 1)")
     p.add_argument("--work", type=Path, default=None, help="scratch folder (default: a new temporary one)")
     p.add_argument("--warm-compile-cache", action="store_true",
                    help="keep torch.compile's cache from earlier runs (default: a new, empty one, so "
@@ -244,8 +249,6 @@ def main():
                  "pass --nanogpt the folder of github.com/karpathy/nanoGPT")
     work = (args.work or Path(tempfile.mkdtemp(prefix="train_vs_nanogpt-"))).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    for old in ("nanogpt-out", "llama-run"):
-        shutil.rmtree(work / old, ignore_errors=True)
 
     # One-time preparation, before the clock starts.
     data_dir = prepare_nanogpt_data(nanogpt, args.data, work / "shakespeare_char")
@@ -255,28 +258,36 @@ def main():
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "PYTHONUNBUFFERED": "1"}
     if not args.warm_compile_cache:
-        shutil.rmtree(work / "inductor-cache", ignore_errors=True)
         env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cache")
     nanogpt_cmd = [sys.executable, "train.py", *shlex.split(NANOGPT_RECIPE), f"--max_iters={args.max_steps}",
                    f"--lr_decay_iters={args.max_steps}", f"--dataset={data_dir}", f"--out_dir={work / 'nanogpt-out'}"]
-    llama_cmd = [sys.executable, str(REPO / "train.py"), "--data", str(args.data), *shlex.split(LLAMA_RECIPE),
-                 "--max-steps", str(args.max_steps), "--cache-dir", str(work / "tokenizer"),
-                 "--out", str(work / "llama-run"), *shlex.split(args.llama_args)]
-    print(f"nanoGPT:    (cd {nanogpt} && {shlex.join(nanogpt_cmd[1:])})")
-    print(f"llama_mini: {shlex.join(llama_cmd[1:])}")
-    print(f"torch {torch.__version__}, {args.threads} thread(s) each, run together; logs in {work}")
-
-    start = time.perf_counter()
-    runs = {"nanoGPT": Run("nanoGPT", nanogpt_cmd, nanogpt, env, work / "nanogpt.log", start),
-            "llama_mini": Run("llama_mini", llama_cmd, REPO, env, work / "llama_mini.log", start)}
-    for name, run in runs.items():
-        if run.wait() != 0:
-            sys.exit(f"error: {name} exited with {run.proc.returncode}; its output is in {run.log.name}")
-    if args.json:
-        args.json.write_text(json.dumps({name: {"points": run.points, "end": run.end} for name, run in runs.items()}, indent=1))
-    report(runs, work)
-    plot(args.plot or work / "train_vs_nanogpt.png", runs, runs["nanoGPT"].points[-1][2])
-
+    ratios = []
+    for seed in range(1337, 1337 + args.seeds):
+        for old in ("nanogpt-out", "llama-run", *(() if args.warm_compile_cache else ("inductor-cache",))):
+            shutil.rmtree(work / old, ignore_errors=True)
+        llama_cmd = [sys.executable, str(REPO / "train.py"), "--data", str(args.data), *shlex.split(LLAMA_RECIPE),
+                     "--max-steps", str(args.max_steps), "--cache-dir", str(work / "tokenizer"),
+                     "--out", str(work / "llama-run"), "--seed", str(seed), *shlex.split(args.llama_args)]
+        print(f"\nnanoGPT:    (cd {nanogpt} && {shlex.join(nanogpt_cmd[1:])})")
+        print(f"llama_mini: {shlex.join(llama_cmd[1:])}")
+        print(f"torch {torch.__version__}, {args.threads} thread(s) each, run together; logs in {work}")
+        start = time.perf_counter()
+        runs = {"nanoGPT": Run("nanoGPT", nanogpt_cmd, nanogpt, env, work / "nanogpt.log", start),
+                "llama_mini": Run("llama_mini", llama_cmd, REPO, env, work / "llama_mini.log", start)}
+        for name, run in runs.items():
+            if run.wait() != 0:
+                sys.exit(f"error: {name} exited with {run.proc.returncode}; its output is in {run.log.name}")
+        if args.json:
+            json_path = args.json if args.seeds == 1 else args.json.with_name(f"{args.json.stem}-seed{seed}{args.json.suffix}")
+            json_path.write_text(json.dumps({name: {"points": run.points, "end": run.end} for name, run in runs.items()}, indent=1))
+        ratios.append(report(runs, work))
+        plot(args.plot or work / "train_vs_nanogpt.png", runs, runs["nanoGPT"].points[-1][2])
+    if args.seeds > 1:
+        reached = [r for r in ratios if r is not None]
+        spread = (f"mean {statistics.mean(reached):.3f}, sd {statistics.stdev(reached):.3f}, "
+                  f"{min(reached):.3f} to {max(reached):.3f}" if len(reached) > 1 else "")
+        print(f"\n{args.seeds} pairs: llama_mini's time to nanoGPT's final loss, as a fraction of nanoGPT's: "
+              f"{', '.join('not reached' if r is None else f'{r:.3f}' for r in ratios)}; {spread}")
 
 if __name__ == "__main__":
     main()

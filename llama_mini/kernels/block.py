@@ -60,7 +60,7 @@ def block_refusal(block, dtype) -> Optional[str]:
         if type(part) not in classes:
             return f"its {name} is {type(part).__name__}, and the kernels run {classes[0].__name__}"
     if dtype not in FLOATS:
-        return f"the kernels compute in float32 and bfloat16, not {str(dtype).removeprefix('torch.')}"
+        return f"the kernels compute in float32, bfloat16 and float16, not {str(dtype).removeprefix('torch.')}"
     head_dim = block.attention.head_dim
     if head_dim % 8 or head_dim > MAX_HEAD_DIM:
         return f"head size {head_dim}: the kernels take multiples of 8 up to {MAX_HEAD_DIM}"

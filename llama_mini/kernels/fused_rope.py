@@ -15,7 +15,7 @@ from .operators import FLOATS, on_the_cpu, operators, swap_classes
 
 
 class FusedAttention(Attention):
-    """Attention whose RoPE runs the kernels' rope on CPU float32 and bfloat16 with head sizes a
+    """Attention whose RoPE runs the kernels' rope on CPU float32, bfloat16 and float16 with head sizes a
     multiple of 8; the model's own code elsewhere, and under torch.compile (Inductor fuses it)."""
 
     layer, computes = "fused RoPE", ("model:Attention.rotate", "model:apply_rotary_emb")

@@ -19,7 +19,7 @@ from .operators import FLOATS, on_the_cpu, operators, swap_classes
 
 
 class FusedFeedForward(FeedForward):
-    """FeedForward whose gate runs the kernels' swiglu on CPU float32 and bfloat16; its own
+    """FeedForward whose gate runs the kernels' swiglu on CPU float32, bfloat16 and float16; its own
     code elsewhere, and under torch.compile (Inductor fuses it by itself)."""
 
     layer, computes = "fused SwiGLU", ("model:FeedForward.gate",)

@@ -7,8 +7,8 @@ int8 and int4 kernels convert every weight to float, and its bfloat16 products a
 without bf16 arithmetic. The linear operators compute a tile of rows against a few weight rows
 at a time, for any number of rows, each output summed in one order whatever the rows beside it;
 integer weights meet the activations rounded to int8 in blocks of 32 (quant/layers.py's
-definition, as llama.cpp does) as integers. float32 weights are held in panels of sixteen
-outputs, which prompts read at BLAS speed or faster (KernelLinear.hold_panels).
+definition, as llama.cpp does) as integers. Float weights (float32, bfloat16, float16) are held
+in panels of sixteen outputs, which prompts read at BLAS speed or faster (KernelLinear.hold_panels).
 
 Each class here is its parent with a fast path: inputs on CPU, without autograd or autocast,
 with weights the kernels read in place, run the kernels; everything else runs the parent's
@@ -20,14 +20,14 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..quant.layers import Int4Linear, Int8Linear
-from .operators import FLOATS, PANEL, SCALES, operators, to_panels
+from ..support.memory import release_file_pages
+from .operators import FLOATS, PANEL, operators, to_panels
 
 
-def operators_for(x: torch.Tensor, floats: torch.Tensor, dtypes=FLOATS):
-    """The operators, if they should compute x W^T (floats: W, or its scales, of one of dtypes);
-    None where the layer's own code should. Cheapest checks first: this runs for every layer of
-    every step."""
-    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in dtypes:
+def operators_for(x: torch.Tensor, floats: torch.Tensor):
+    """The operators, if they should compute x W^T (floats: W, or its scales); None where the
+    layer's own code should. Cheapest checks first: this runs for every layer of every step."""
+    if not x.is_cpu or x.dtype not in FLOATS or floats.dtype not in FLOATS:
         return None
     if torch.is_grad_enabled() and (x.requires_grad or floats.requires_grad):
         return None
@@ -38,9 +38,10 @@ def operators_for(x: torch.Tensor, floats: torch.Tensor, dtypes=FLOATS):
 
 class KernelLinear(nn.Linear):
     """nn.Linear (no bias) on the dense kernel: y = x W^T in float32 arithmetic, in x's dtype.
-    Under autocast, torch's F.linear (autocast decides the dtypes).
+    Under autocast, torch's F.linear (autocast decides the dtypes), and for x of another dtype
+    than W (its error).
 
-    A float32 weight the kernels read in panels (holds_panels), hold_panels keeps as
+    A weight the kernels read in panels (holds_panels), hold_panels keeps as
     (out / 16, in, 16); state_dict, load_state_dict and torch's code still see rows
     (weight_rows)."""
 
@@ -48,7 +49,7 @@ class KernelLinear(nn.Linear):
     in_panels = False
 
     def forward(self, x):
-        usable = kernel_operands(self) is not None and not torch.is_autocast_enabled("cpu")
+        usable = x.dtype == self.weight.dtype and kernel_operands(self) is not None and not torch.is_autocast_enabled("cpu")
         ops = operators_for(x, self.weight) if usable else None
         return F.linear(x, self.weight_rows(), self.bias) if ops is None else ops.linear_dense(x, self.weight)
 
@@ -59,10 +60,12 @@ class KernelLinear(nn.Linear):
         return self.weight.transpose(1, 2).reshape(self.out_features, self.in_features)
 
     def hold_panels(self) -> None:
-        """Hold the weight in panels from now on (a copy: the rows are freed)."""
+        """Hold the weight in panels from now on (a copy: the rows are freed, or, read from a
+        mapped file, their pages given back)."""
         weight = self.weight
         self.weight = nn.Parameter(to_panels(weight.detach()), requires_grad=weight.requires_grad)
         self.in_panels = True
+        release_file_pages(weight)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -77,13 +80,13 @@ class KernelLinear(nn.Linear):
 
 
 def holds_panels(linear, shared: set) -> bool:
-    """Whether the kernels read this layer's weight in panels: float32, one piece of memory,
+    """Whether the kernels read this layer's weight in panels: a float, one piece of memory,
     outputs a multiple of 16, no bias, and not shared with another module (a tied embedding
     keeps its rows)."""
     if type(linear) is not KernelLinear or linear.in_panels or linear.bias is not None:
         return False
     weight = linear.weight
-    return (weight.dim() == 2 and weight.dtype == torch.float32 and weight.is_cpu and weight.is_contiguous()
+    return (weight.dim() == 2 and weight.dtype in FLOATS and weight.is_cpu and weight.is_contiguous()
             and linear.out_features % PANEL == 0 and id(weight) not in shared)
 
 
@@ -97,7 +100,7 @@ class IntegerKernel:
 
     def forward(self, x):
         floats = self.super_scales if getattr(self, "super_group_size", 0) else self.scales
-        ops = operators_for(x, floats, SCALES) if kernel_operands(self) is not None else None
+        ops = operators_for(x, floats) if kernel_operands(self) is not None else None
         return super().forward(x) if ops is None else self.kernel(ops, x)
 
 
@@ -138,9 +141,7 @@ def kernel_operands(linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
         operands = (linear.weight, linear.scales, linear.offsets, *supers) if linear.rows_of_8 else None
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
-        # panels hold float32 (a model cast after use_cpu_kernels holds bfloat16 ones: torch's code)
-        in_panels = getattr(linear, "in_panels", False)
-        operands = (linear.weight, None, None, None, None) if not in_panels or linear.weight.dtype == torch.float32 else None
+        operands = (linear.weight, None, None, None, None)
     else:
         return None
     return operands if operands and all(t is None or t.is_contiguous() for t in operands) else None

@@ -75,7 +75,19 @@ def _glibc_trim():
         return None
 
 
+def _libc_madvise():
+    """The C library's madvise, or None where there is none to call (Windows)."""
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    madvise.argtypes, madvise.restype = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int
+    return madvise
+
+
 _TRIM = _glibc_trim() if sys.platform.startswith("linux") else None
+_MADVISE = _libc_madvise() if sys.platform.startswith("linux") else None
+MADV_DONTNEED = 4  # Linux's number
 
 
 def return_freed_memory() -> None:
@@ -84,3 +96,33 @@ def return_freed_memory() -> None:
     for later allocations: without this, loading a GGUF file peaks at 1.2-1.4x what it keeps."""
     if _TRIM is not None:
         _TRIM(0)
+
+
+def release_file_pages(tensor: torch.Tensor) -> None:
+    """Drop the pages of a tensor read from a mapped file once a copy of it is what is used (a
+    weight laid out again for the kernels): they leave this process's memory, and are read from
+    the file again should the tensor be touched. Without this, a mapped checkpoint's pages stay
+    resident beside the copy, and loading peaks at twice the file. Memory of the process's own
+    (not a file's) is left alone: freeing the tensor frees it."""
+    if _MADVISE is None or not tensor.is_cpu or tensor.numel() == 0:
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr()
+    first, end = -(-start // page) * page, (start + tensor.numel() * tensor.element_size()) // page * page
+    if end > first and _in_a_file_mapping(first, end):
+        _MADVISE(first, end - first, MADV_DONTNEED)
+
+
+def _in_a_file_mapping(first: int, end: int) -> bool:
+    """Whether addresses [first, end) lie in one mapping of a file (/proc/self/maps: a path, not
+    the heap, a stack or anonymous memory)."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split(maxsplit=5)
+                low, high = (int(a, 16) for a in fields[0].split("-"))
+                if low <= first and end <= high:
+                    return len(fields) == 6 and fields[5].startswith("/")
+    except (OSError, ValueError):
+        pass
+    return False

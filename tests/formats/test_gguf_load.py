@@ -323,6 +323,39 @@ def test_a_quantized_file_loads_in_about_its_own_size_or_its_dequantized_size_as
     assert float_bytes < dequantized < 1.5 * float_bytes, (dequantized / 2**20, float_bytes / 2**20)
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("kind", [T.F16, T.BF16])
+def test_a_half_precision_file_on_the_kernels_peaks_at_about_its_own_size(tmp_path, kind):
+    """An F16 or BF16 file (29M weights, 56 MiB) loaded as generate.py loads it: at its own
+    dtype, each matrix copied into panels for the kernels (kernels/linear.py), the file's pages
+    of it given back as the copy is made. The peak rises by the model's bytes and at most 20 MiB
+    more (the kernels' library and self-check, the largest matrix); keeping the pages would make
+    it twice the file (+117 MiB)."""
+    from llama_mini.kernels.operators import operators
+
+    if operators() is None:
+        pytest.skip("no CPU kernels on this machine: nothing is laid out again")
+    args = ModelArgs(dim=512, n_layers=6, n_heads=8, vocab_size=4096, hidden_dim=2048, max_seq_len=64)
+    generator = np.random.default_rng(0)
+    with torch.device("meta"):
+        shapes = {name: tuple(array.shape) for name, array in Transformer(args).state_dict().items()}
+
+    def stored(shape):
+        values = generator.standard_normal(shape, dtype=np.float32) * 0.02
+        if kind == T.F16:
+            return values.astype(np.float16)
+        return (values.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)  # bfloat16's bits, as raw bytes
+
+    tensors = {to_format(name, "gguf"): (stored(shape), kind) if len(shape) == 2 else (np.ones(shape, np.float32), T.F32)
+               for name, shape in shapes.items()}
+    path = write_gguf(tmp_path / "half.gguf", args, tensors)
+    own, held = load_peak(f"__import__('llama_mini.kernels').kernels.use_cpu_kernels(load_checkpoint({str(path)!r}))")
+    size = path.stat().st_size
+    print(f"{kind.name}: file {size / 2**20:.1f} MiB; the model holds {held / 2**20:.1f} MiB, peak +{own / 2**20:.1f} MiB")
+    assert held < 1.01 * size and own < held + 20 * 2**20
+
+
 # --- The command lines on a GGUF file ---------------------------------------------------------
 
 

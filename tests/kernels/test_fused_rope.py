@@ -27,11 +27,11 @@ def same_bits(a, b) -> bool:
     """a and b hold the same bits, NaNs aside, and NaN in the same places (torch rounds a NaN to
     bfloat16 as 0xFFFF in its vector code, 0x7FC0 in its scalar code, as the kernels do)."""
     nan = a.isnan()
-    integers = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    integers = torch.int16 if a.element_size() == 2 else torch.int32
     return a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.view(integers)[~nan], b.view(integers)[~nan])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim", [8, 48, 64, 80, 128, 256])
 @pytest.mark.parametrize("start_pos", [0, 1000])
 def test_output_and_gradient_are_apply_rotary_embs_bit_for_bit(dtype, head_dim, start_pos):
@@ -60,7 +60,7 @@ def test_use_fused_rope_swaps_every_attention_keeping_weights_and_names(tmp_path
     assert layers[0].rotate(torch.randn(1, 3, 4, 16, requires_grad=True), cos, sin).grad_fn.name() == KERNEL_NODE
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", [dict(), dict(dim=96, n_heads=2, n_kv_heads=1)], ids=["head-16", "head-48-gqa"])
 def test_a_model_with_fused_rope_trains_to_the_plain_models_numbers_bit_for_bit(dtype, shape):
     """Logits and every gradient, on batches of 1, 17 and 64 rows."""

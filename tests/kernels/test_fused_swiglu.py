@@ -31,7 +31,7 @@ def float64_truth(a, b, dout):
     return (out, *torch.autograd.grad(out, (a, b), dout.double()))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gradients_are_silu_times_bs_within_rounding_of_float64(dtype):
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(20_003, generator=g) * 6).to(dtype)  # exp's ends, and a tail past the eights
@@ -81,7 +81,7 @@ def test_use_fused_swiglu_swaps_every_feed_forward_keeping_weights_and_names(tmp
     assert torch.ops.llama_mini.swiglu(hidden, hidden).grad_fn.name() == KERNEL_NODE
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("multiple_of", [32, 1], ids=["hidden-192", "hidden-170"])
 def test_a_model_with_the_fused_gate_equals_the_plain_model(dtype, multiple_of):
     """Logits and every gradient, on batches of 1, 17 and 64 rows, at a hidden size a multiple

@@ -36,7 +36,7 @@ def ops():
 
 
 def close(got, expected, dtype):
-    """Within float32 summation-order error, or one bfloat16 rounding of the output."""
+    """Within float32 summation-order error, or one bfloat16 (or float16) rounding of the output."""
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=8e-3, atol=8e-3)
     torch.testing.assert_close(got.double(), expected, **tolerance)
 
@@ -44,7 +44,7 @@ def close(got, expected, dtype):
 # --- Operators against float64 -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, n, k", [(1, 4, 16), (1, 37, 200), (3, 64, 768), (16, 9, 40), (67, 21, 100), (130, 64, 64)])  # tails of rows, tiles and inputs
 @pytest.mark.parametrize("threads", [1, 2])
 def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
@@ -57,25 +57,29 @@ def test_dense_matches_float64(ops, dtype, rows, n, k, threads):
     torch.set_num_threads(1)
 
 
-# Float32 weights in panels of sixteen outputs, as use_cpu_kernels holds them.
-@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+# Weights in panels of sixteen outputs, as use_cpu_kernels holds them: float32, and a
+# bfloat16 or float16 model's own.
+@pytest.mark.parametrize("x_dtype, w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                              (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)])
 @pytest.mark.parametrize("rows, n, k", [(1, 16, 1), (2, 48, 200), (3, 64, 768), (4, 32, 40), (67, 80, 300), (130, 272, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_panels_match_float64_and_are_the_rows_weight(ops, x_dtype, rows, n, k, threads):
+def test_panels_match_float64_and_are_the_rows_weight(ops, x_dtype, w_dtype, rows, n, k, threads):
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rows * n + k)
-    x, w = torch.randn(rows, k, generator=g).to(x_dtype), torch.randn(n, k, generator=g)
+    x, w = torch.randn(rows, k, generator=g).to(x_dtype), torch.randn(n, k, generator=g).to(w_dtype)
     y = ops.linear_dense(x, to_panels(w))
     assert y.dtype == x_dtype and y.shape == (rows, n)
     close(y, x.double() @ w.double().t(), x_dtype)
     torch.set_num_threads(1)
 
 
-def test_panels_sum_each_output_input_after_input_from_zero(ops):
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_panels_sum_each_output_input_after_input_from_zero(ops, w_dtype):
     """The order the panels' kernel promises (csrc/linear.cpp): a fused multiply-add per input,
-    in order, from zero; the same bits as that loop written out in float32."""
+    in order, from zero; the same bits as that loop written out in float32. Half-precision
+    weights are made float32 exactly, and take the same steps."""
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(11, 50, generator=g), torch.randn(32, 50, generator=g)  # a prompt's tiles, and one of 5 rows
+    x, w = torch.randn(11, 50, generator=g), torch.randn(32, 50, generator=g).to(w_dtype)  # a prompt's tiles, and one of 5 rows
     expected = torch.zeros(11, 32, dtype=torch.float64)
     for j in range(50):  # one rounding to float32 per step; float64 holds each exact product and sum
         expected = (expected + x[:, j:j + 1].double() * w[:, j].double()).float().double()
@@ -121,11 +125,11 @@ def test_panels_keep_rows_alone_over_chunks_of_rows_and_groups_of_panels(ops, th
 
 
 def to_panels(w):
-    """(n, k) -> (n / 16, k, 16), as the kernels hold float32 weights in panels."""
+    """(n, k) -> (n / 16, k, 16), as the kernels hold float weights in panels."""
     return w.unflatten(0, (-1, 16)).transpose(1, 2).contiguous()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 70])
 def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtype, rows):
     g = torch.Generator().manual_seed(rows)
@@ -141,7 +145,7 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
     close(ops.linear_int8(x, pack_int8(w), interleave_rows(scales)), expected, dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 5, 15, 16, 70])
 def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, rows):
     """Scales and offsets as llama.cpp's Q4_K holds them: uint8 factors per group of 32, float32
@@ -197,7 +201,7 @@ def reference_attention(q, k, v, cache, cos, sin, start):
     return out.transpose(1, 2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 16), (2, 1, 128)])
 def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim):
     """A prompt from position 0, a decoding step, a chunk after cached positions, the last position."""
@@ -220,7 +224,7 @@ def test_attention_takes_every_head_size_that_is_a_multiple_of_8(ops, head_dim):
     test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, torch.float32, 4, 2, head_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
     """A NaN score makes its query's softmax NaN: the queries that see the key, and no other."""
     args = ModelArgs(dim=128, n_heads=2, n_kv_heads=1, vocab_size=8, max_seq_len=64)
@@ -240,7 +244,7 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
     """quantized_activations turns a block of 32 holding a NaN or an infinity into NaNs (inf * 0,
@@ -273,8 +277,8 @@ ops = operators()
 layers = [torch.nn.Linear(0, 5, bias=False), Int8Linear.from_weight(torch.empty(8, 0)), Int4Linear.from_weight(torch.empty(8, 0))]
 with torch.inference_mode():
     for layer in layers:
-        fast = use_cpu_kernels(torch.nn.Sequential(layer))[0]
         for x in (torch.randn(3, 0), torch.randn(2, 4, 0).bfloat16()):
+            fast = use_cpu_kernels(torch.nn.Sequential(layer.to(x.dtype)))[0]
             assert torch.equal(fast(x), torch.nn.functional.linear(x, torch.zeros(layer.out_features, 0, dtype=x.dtype))), layer
     assert torch.equal(ops.linear_int8(torch.randn(2, 0), torch.zeros(1, 0, dtype=torch.int8), torch.ones(1, 0)), torch.zeros(2, 8))
 print("zeros")
@@ -286,7 +290,7 @@ def test_a_layer_without_inputs_gives_zeros_as_torch_does(ops):
     assert result.returncode == 0 and result.stdout == "zeros\n", (result.returncode, result.stdout + result.stderr)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_swiglus_gate_is_silu_times_b_computed_alike_for_every_element(ops, dtype):
     """The gate of csrc/swiglu.cpp is F.silu(a) * b within float rounding, and each element's
     value does not depend on where it sits: alone, at any offset or tensor size, at any thread count."""
@@ -341,12 +345,31 @@ def test_use_cpu_kernels_swaps_every_linear_and_keeps_the_weights(ops):
 
 def test_a_model_cast_after_use_cpu_kernels_computes_what_the_cast_model_does(ops):
     """Cast to bfloat16 after use_cpu_kernels, float32 weights held in panels become bfloat16
-    panels, which the kernels do not read: those layers run torch's code on their rows."""
+    panels, which the kernels read as such."""
     model, reference = use_cpu_kernels(kernel_model()), kernel_model()
     model.to(torch.bfloat16), reference.to(torch.bfloat16)
     tokens = torch.tensor([[1, 2, 3, 4, 5]])
     with torch.inference_mode():
         torch.testing.assert_close(model(tokens), reference(tokens), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_model_holds_its_own_weights_in_panels(ops, dtype):
+    """A bfloat16 or float16 model's linear weights are read in panels of their own dtype: the
+    same bytes as its rows (none made float32), the layer's outputs the rows' product. An input
+    of another dtype than the weight's gets torch's own error, as the layer off the kernels does."""
+    model = kernel_model().to(dtype)
+    size = sum(p.numel() * p.element_size() for p in model.parameters())
+    use_cpu_kernels(model)
+    in_panels = [m for m in model.modules() if getattr(m, "in_panels", False)]
+    assert in_panels and all(m.weight.dtype == dtype and m.weight.dim() == 3 for m in in_panels)
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == size
+    layer = in_panels[0]
+    x = torch.randn(5, layer.in_features, generator=torch.Generator().manual_seed(0)).to(dtype)
+    with torch.inference_mode():
+        close(layer(x), x.double() @ layer.weight_rows().double().t(), dtype)
+        with pytest.raises(RuntimeError, match="dtype"):
+            layer(x.float())
 
 
 def block_on_the_operators(ops, block, x, cos, sin, start):
@@ -361,7 +384,7 @@ def block_on_the_operators(ops, block, x, cos, sin, start):
     return h + ffn.w2(ops.swiglu(ffn.w1(g), ffn.w3(g)))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization):
     from llama_mini.quant import quantize
@@ -424,7 +447,7 @@ def test_decoding_with_gradients_runs_the_models_own_operations(ops):
     assert model.layers[0].feed_forward.w2.weight.grad is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm the block operator does not take: the blocks' own code runs
 def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
     reference = kernel_model(norm=norm).to(dtype)
@@ -448,7 +471,7 @@ def test_training_runs_torchs_kernels():
     assert x.grad is not None and layer.weight.grad is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
     """A row's output does not depend on the rows beside it, bit for bit: a decoding step, a
     batch and a prompt of any length run one kernel per layer type, each output summed in one

@@ -116,6 +116,7 @@ SHAPES = {
     "head256": dict(dim=256, n_heads=1, hidden_dim=200),
 }
 CASES = [(shape, dtype, None) for shape in SHAPES for dtype in ("float32", "bfloat16")] + \
+        [("stories260K", "float16", None), ("head80", "float16", None)] + \
         [("head80", "float32", "int8"), ("head80", "bfloat16", "int4")]  # sizes the integer layers take
 
 
@@ -123,7 +124,7 @@ CASES = [(shape, dtype, None) for shape in SHAPES for dtype in ("float32", "bflo
 def test_each_row_is_bit_for_bit_the_same_at_any_head_size_hidden_size_and_thread_count(shape, dtype, quantization):
     """On the kernels a position's logits are the same bits whether the prompt is read whole, in
     pieces or token by token, alone or in a batch, on 1, 2, 3 or 6 threads (the kernels split
-    rows off multiples of 16 there); float32 weights held in panels, bfloat16 ones in rows."""
+    rows off multiples of 16 there); float weights held in panels of their own dtype."""
     needs_kernels()
     torch.manual_seed(0)
     args = ModelArgs(n_layers=2, vocab_size=256, max_seq_len=128, **SHAPES[shape])
@@ -133,7 +134,7 @@ def test_each_row_is_bit_for_bit_the_same_at_any_head_size_hidden_size_and_threa
     model = use_cpu_kernels(use_fused_rmsnorm(model.to(getattr(torch, dtype))))
     assert on_kernels(model)
     in_panels = any(getattr(m, "in_panels", False) for m in model.modules())
-    assert in_panels == (dtype == "float32" and not quantization)  # float32 weights in panels of 16 outputs
+    assert in_panels == (not quantization)  # float weights in panels of 16 outputs
     tokens = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
     threads = torch.get_num_threads()
     try:

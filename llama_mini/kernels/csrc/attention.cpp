@@ -219,7 +219,7 @@ void attend(HeadSize<FIXED> size, const T* q, const T* k, const T* v, T* k_cache
 extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
                           const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
-                          int64_t cache_head_stride, int bf16, int threads) {
+                          int64_t cache_head_stride, int type, int threads) {
     const auto run = [&]<int FIXED, typename T>(const T*) {
         attend(HeadSize<FIXED>{head_dim}, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
                static_cast<T*>(k_cache), static_cast<T*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads,
@@ -232,8 +232,7 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
             default: return run.template operator()<0>(type);
         }
     };
-    if (bf16) of_size(static_cast<const uint16_t*>(nullptr));
-    else of_size(static_cast<const float*>(nullptr));
+    as_float_type(nullptr, type, of_size);
 }
 
 #else  // no AVX2: nothing here runs (vector_kernels_available() says so).

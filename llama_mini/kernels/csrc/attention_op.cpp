@@ -29,7 +29,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                 "llama_mini::attention: a cache (batch, kv_heads, positions, d) holding the positions");
     for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache})
         TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::attention: one dtype for q, k, v and the cache");
-    check_float(q, "q");
+    const int type = float_type(q, "q");
     TORCH_CHECK(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= 256,
                 "llama_mini::attention: head_dim ", head_dim, " is not a multiple of 8 up to 256");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == rows * head_dim &&
@@ -42,7 +42,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
     ::attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(), k_cache.mutable_data_ptr(),
                 v_cache.mutable_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(),
                 sinc.const_data_ptr<float>(), batch, rows, heads, kv_heads, head_dim, start, k_cache.stride(0),
-                k_cache.stride(1), is_bf16(q), threads_for_work(work));
+                k_cache.stride(1), type, threads_for_work(work));
     return out;
 }
 

@@ -5,8 +5,8 @@
 // so the compiler checks that they agree.
 //
 // Every linear kernel computes y (rows, n) = x (rows, k) W^T for any number of rows of x, in
-// float32 arithmetic; x and y are float32 (x_bf16 / y_bf16: bfloat16 bits instead), and an
-// integer layer's scales float32, bfloat16 or float16 (scales_dtype 0, 1 or 2).
+// float32 arithmetic. Its float operands (x, y in x's type, dense weights, an integer layer's
+// scales) are each float32, bfloat16 or float16: x_type, w_type, scales_type 0, 1 or 2.
 #pragma once
 #include <cstdint>
 
@@ -14,20 +14,20 @@
 // entry point below does nothing and the Python side keeps the layers' own code.
 extern "C" int vector_kernels_available();
 
-// W dense: float32 or bfloat16 (w_bf16); y in x's dtype.
-extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
-                             int w_bf16, int threads);
+// W dense, rows of inputs.
+extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_type,
+                             int w_type, int threads);
 
-// W float32 held in panels of sixteen outputs, input-major: panels (n / 16, k, 16), panel p's
-// input j of output q at panels[p][j][q] = W[16p + q, j]; y in x's dtype. Each output summed
-// input after input, from zero (linear.cpp).
-extern "C" void linear_panels(const void* x, const float* panels, void* y, int64_t rows, int64_t n, int64_t k,
-                              int x_bf16, int threads);
+// W held in panels of sixteen outputs, input-major: panels (n / 16, k, 16), panel p's input j
+// of output q at panels[p][j][q] = W[16p + q, j]. Each output summed input after input, from
+// zero, in float32 (linear.cpp).
+extern "C" void linear_panels(const void* x, const void* panels, void* y, int64_t rows, int64_t n, int64_t k,
+                              int x_type, int w_type, int threads);
 
 // Activations for the integer kernels: each row of x cut into blocks of 32, each block
 // rounded to int8 with its own scale (absmax / 127), as llama.cpp's Q8_0 does. xq is
 // (rows, k), xd and xsum (the block's sum of codes) are (rows, k / 32). k % 32 == 0.
-extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
+extern "C" void quantize_activations(const void* x, int x_type, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
                                      int64_t k, int threads);
 
 // W int8 with a scale per row and block of 32 inputs: W[i, j] = w[i, j] * scales[i, j / 32].
@@ -35,8 +35,8 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
 // bytes: eight runs c of 32 bytes, in which bytes 4j..4j+3 are inputs 4c..4c+3 of the block in
 // row 8p + j. scales are (n / 8, k / 32, 8): the eight rows of a set side by side.
 extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* w,
-                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_dtype,
-                            int y_bf16, int threads);
+                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_type,
+                            int y_type, int threads);
 
 // W int4 in groups of `group` (a multiple of 32) along k: W[i, j] = q * scale + offset, the
 // scale and offset of j's group. n % 8 == 0: rows come in sets of eight, interleaved. For set p
@@ -46,11 +46,11 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
 // the eight rows of a set side by side. Factored (super_scales not null, llama.cpp's K-quants):
 // scales and offsets are uint8 factors, and a group's scale is its factor times super_scales'
 // value for its super-group of `super_group` inputs (offsets likewise), in float32;
-// super_scales and super_offsets are (n / 8, k / super_group, 8), of scales_dtype.
+// super_scales and super_offsets are (n / 8, k / super_group, 8), of scales_type.
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
                             const void* scales, const void* offsets, const void* super_scales,
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
-                            int64_t k, int64_t group, int scales_dtype, int y_bf16, int threads);
+                            int64_t k, int64_t group, int scales_type, int y_type, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored
@@ -58,23 +58,23 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 // heads and batch rows at the strides given; each row of q is rotated and attends to positions
 // 0 .. its own; out (batch, rows, heads, head_dim). Query head h reads key/value head
 // h / (heads / kv_heads). The rotation of row i: x[j] cos[i, j] + x[j ^ 1] sin[i, j], cos and
-// sin (rows, head_dim) (model.py's tables). All float32 or all bfloat16 (bf16); head_dim a
+// sin (rows, head_dim) (model.py's tables). All of one float type (type); head_dim a
 // multiple of 8 up to 256.
 extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
                           const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
-                          int64_t cache_head_stride, int bf16, int threads);
+                          int64_t cache_head_stride, int type, int threads);
 
-// SwiGLU's gate: out = silu(a) * b for n elements, float32 or bfloat16 (bf16), each element
+// SwiGLU's gate: out = silu(a) * b for n elements of float type `type`, each element
 // computed alike wherever it sits.
-extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int bf16, int threads);
+extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int type, int threads);
 // Its gradients: da, db from dout (each of n elements, a's dtype).
-extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int bf16,
+extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int type,
                                 int threads);
 
 // RoPE as model.py's apply_rotary_emb computes it, for training: x (rows, head_dim),
 // row r at position (r / heads) % positions of cos and sin (positions, head_dim, float32);
 // out[j] = x[j] cos[j] + x[j ^ 1] sin[j], or with backward, x being the output's gradient, the
-// input's: x[j] cos[j] + x[j ^ 1] sin[j ^ 1]. float32 or bfloat16 (bf16); head_dim % 8 == 0.
+// input's: x[j] cos[j] + x[j ^ 1] sin[j ^ 1]. x of float type `type`; head_dim % 8 == 0.
 extern "C" void rope(const void* x, void* out, const float* cos, const float* sin, int64_t rows, int64_t heads,
-                     int64_t positions, int64_t head_dim, int backward, int bf16, int threads);
+                     int64_t positions, int64_t head_dim, int backward, int type, int threads);

@@ -1,5 +1,5 @@
-// Linear layers on the CPU, y = x W^T, for any number of rows of x: float32 or bfloat16
-// weights, int8 and int4 weights.
+// Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
+// float16 weights, int8 and int4 weights.
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -15,7 +15,7 @@
 //
 // Each output is summed in the same order whatever the tile, chunk or thread (simd.h), so a
 // row's result does not depend on the rows beside it: batched equals alone, bit for bit.
-// float32 weights are held in panels of sixteen outputs instead (linear_panels), each output
+// Float weights are held in panels of sixteen outputs instead (linear_panels), each output
 // summed input after input, for the same reason.
 //
 // Integer weights are multiplied as integers, as llama.cpp does: the activations are rounded
@@ -249,7 +249,7 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
         dense_packed(x, w, y, rows, n, k, threads);
 }
 
-// --- Dense float32 weights in panels ------------------------------------------------------------
+// --- Dense float weights in panels --------------------------------------------------------------
 //
 // A tile of rows of x against rows of W reads a vector of each for every few multiply-adds, and
 // a prompt is bound by loads: 0.6-0.75x torch's sgemm with AVX2's eight lanes, 0.61-0.85x with
@@ -258,7 +258,8 @@ void dense(const X* x, const W* w, Y* y, int64_t rows, int64_t n, int64_t k, int
 // does 6 x PANEL_NP sixteen-lane multiply-adds per PANEL_NP loads of weights, as BLAS kernels
 // do; a decoding step streams a few panels in order. Each output is then summed input after
 // input, from zero, by fused multiply-adds, whatever the tile, chunk or thread: a row's result
-// does not depend on the rows beside it.
+// does not depend on the rows beside it. bfloat16 and float16 panels are the same, each weight
+// made float32 as it is loaded (exact): half the bytes to stream, the same arithmetic.
 
 constexpr int PANEL = 16;  // outputs per panel
 constexpr int PANEL_MR = 6;  // rows of x in a prompt's tile
@@ -273,8 +274,8 @@ constexpr int64_t PANEL_STREAMED = 3;  // rows up to which a product streams the
 // times NP panels (panel_stride apart, sixteen outputs an input), summed input after input from
 // zero. A whole row of inputs per call: each operand is read in one long run, which the
 // hardware prefetchers follow, and no sum leaves the registers before it is done.
-template <int R, int NP, typename X, typename Y>
-void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride, int64_t k, Y* y, int64_t y_row,
+template <int R, int NP, typename X, typename W, typename Y>
+void panel_tile(const X* x, int64_t x_row, const W* w, int64_t panel_stride, int64_t k, Y* y, int64_t y_row,
                 bool prefetch_ahead) {
     Floats16 acc[R][NP];
 #pragma GCC unroll 8
@@ -286,7 +287,7 @@ void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride,
         Floats16 wv[NP];
 #pragma GCC unroll 8
         for (int p = 0; p < NP; p++) {
-            if (prefetch_ahead) prefetch(w + p * panel_stride + PREFETCH_BYTES / sizeof(float));
+            if (prefetch_ahead) prefetch(w + p * panel_stride + PREFETCH_BYTES / sizeof(W));
             wv[p] = Floats16::load(w + p * panel_stride);
         }
 #pragma GCC unroll 8
@@ -306,8 +307,8 @@ void panel_tile(const X* x, int64_t x_row, const float* w, int64_t panel_stride,
 }
 
 // Rows [m, m + R) against panels [from, to): NP panels a tile, then the rest one by one.
-template <int R, int NP, typename X, typename Y>
-void across_panels(const X* x, const float* panels, Y* y, int64_t m, int64_t from, int64_t to, int64_t n, int64_t k,
+template <int R, int NP, typename X, typename W, typename Y>
+void across_panels(const X* x, const W* panels, Y* y, int64_t m, int64_t from, int64_t to, int64_t n, int64_t k,
                    bool prefetch_ahead) {
     int64_t p = from;
     for (; p + NP <= to; p += NP)
@@ -317,8 +318,8 @@ void across_panels(const X* x, const float* panels, Y* y, int64_t m, int64_t fro
 
 // A few rows (a decoding step): bound by memory. Each thread streams its band of panels, a few
 // side by side (as many as leave the accumulators in registers), in one pass over all inputs.
-template <typename X, typename Y>
-void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+template <typename X, typename W, typename Y>
+void panels_streamed(const X* x, const W* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
         by_row_tiles<PANEL_STREAMED>(0, rows, [&]<int R>(int64_t m) {
             across_panels<R, R == 1 ? 4 : R == 2 ? 3 : 2>(x, panels, y, m, begin, end, n, k, true);
@@ -329,6 +330,9 @@ void panels_streamed(const X* x, const float* panels, Y* y, int64_t rows, int64_
 // More rows (a prompt): bound by arithmetic. Chunks of up to PANEL_CHUNK rows, then groups of
 // panels that fill a quarter of the second-level cache: each tile of PANEL_MR rows meets the
 // group's panels in turn, PANEL_NP at a time, so the group is read from there, x once per group.
+// Half-precision operands are made float32 first, a chunk of x and a group of panels at a time,
+// so that the tiles run float32's loop: converted in the tiles, each load would need registers
+// the accumulators hold (AVX2 has sixteen), and a prompt would read at half the speed.
 constexpr int64_t PANEL_CHUNK = 171 * PANEL_MR;  // 1,026 rows: fewer chunks stream the weights fewer times
 
 // Panels per group for k inputs: a quarter of this CPU's second-level cache (1 MB where the C
@@ -342,16 +346,36 @@ inline int64_t panel_group(int64_t k) {
     return std::max<int64_t>(PANEL_NP, l2 / 4 / (k * PANEL * int64_t(sizeof(float))));
 }
 
-template <typename X, typename Y>
-void panels_in_chunks(const X* x, const float* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
+// count values from `from`, as float32: `from` itself where it holds float32, else a copy in `buffer`.
+template <typename T> const float* as_float32(const T* from, int64_t count, std::vector<float>& buffer) {
+    if constexpr (std::is_same_v<T, float>) {
+        return from;
+    } else {
+        buffer.resize(count);
+        int64_t i = 0;
+        for (; i + 8 <= count; i += 8) store8(buffer.data() + i, load8(from + i));
+        for (; i < count; i++) buffer[i] = load1(from + i);
+        return buffer.data();
+    }
+}
+
+template <typename X, typename W, typename Y>
+void panels_in_chunks(const X* x, const W* panels, Y* y, int64_t rows, int64_t n, int64_t k, int threads) {
     const int64_t chunks = (rows + PANEL_CHUNK - 1) / PANEL_CHUNK, group = panel_group(k);
     const int64_t chunk = ((rows + chunks - 1) / chunks + PANEL_MR - 1) / PANEL_MR * PANEL_MR;  // a tile of fewer rows is last
     for_row_bands(n / PANEL, threads, [&](int64_t begin, int64_t end) {
-        for (int64_t c = 0; c < rows; c += chunk)
-            for (int64_t g = begin; g < end; g += group)
-                by_row_tiles<PANEL_MR>(c, std::min(rows, c + chunk), [&]<int R>(int64_t m) {
-                    across_panels<R, PANEL_NP>(x, panels, y, m, g, std::min(end, g + group), n, k, false);
+        thread_local std::vector<float> x_floats, w_floats;
+        for (int64_t c = 0; c < rows; c += chunk) {
+            const int64_t c_end = std::min(rows, c + chunk);
+            const float* xc = as_float32(x + c * k, (c_end - c) * k, x_floats);
+            for (int64_t g = begin; g < end; g += group) {
+                const int64_t count = std::min(end, g + group) - g;
+                const float* wg = as_float32(panels + g * k * PANEL, count * k * PANEL, w_floats);
+                by_row_tiles<PANEL_MR>(c, c_end, [&]<int R>(int64_t m) {  // the chunk's rows and the group's panels, from 0
+                    across_panels<R, PANEL_NP>(xc, wg, y + c * n + g * PANEL, m - c, 0, count, n, k, false);
                 });
+            }
+        }
     }, 1);
 }
 
@@ -476,7 +500,7 @@ void multiply_out(const void* factors, const void* supers, int type, float* out,
         for (int64_t g = 0; g < groups; g++) {
             const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (p * groups + g) * 8));
             const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-            _mm256_storeu_ps(out + (p * groups + g) * 8, _mm256_mul_ps(f, load8_scales(supers, (p * (groups / per_super) + g / per_super) * 8, type)));
+            _mm256_storeu_ps(out + (p * groups + g) * 8, _mm256_mul_ps(f, load8(supers, (p * (groups / per_super) + g / per_super) * 8, type)));
         }
 }
 
@@ -554,47 +578,46 @@ template <typename Tile> void over_sets(int64_t rows, int64_t n, int threads, co
     }, 2 * INT_NZ);
 }
 
-// y = x W^T for integer weights in format F, y float32 or bfloat16 (y_bf16).
+// y = x W^T for integer weights in format F, y of float type y_type.
 template <typename F>
 void integer_linear(const Activations& a, const F& format, const void* codes, void* y, int64_t rows, int64_t n,
-                    int64_t k, int y_bf16, int threads) {
-    const auto run = [&]<typename Y>(Y* yt) {
+                    int64_t k, int y_type, int threads) {
+    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
         over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
-            integer_tile<R, NZ>(a, format, codes, yt, n, k, m, pairs, first);
+            integer_tile<R, NZ>(a, format, codes, static_cast<Y*>(y), n, k, m, pairs, first);
         });
-    };
-    if (y_bf16) run(static_cast<uint16_t*>(y));
-    else run(static_cast<float*>(y));
+    });
 }
 
 }  // namespace
 
 extern "C" int vector_kernels_available() { return 1; }
 
-extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_bf16,
-                             int w_bf16, int threads) {
-    const auto run = [&]<typename T, typename W>(const T* xt, const W* wt) { dense(xt, wt, static_cast<T*>(y), rows, n, k, threads); };
-    if (x_bf16 && w_bf16) run(static_cast<const uint16_t*>(x), static_cast<const uint16_t*>(w));
-    else if (x_bf16) run(static_cast<const uint16_t*>(x), static_cast<const float*>(w));
-    else if (w_bf16) run(static_cast<const float*>(x), static_cast<const uint16_t*>(w));
-    else run(static_cast<const float*>(x), static_cast<const float*>(w));
+extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows, int64_t n, int64_t k, int x_type,
+                             int w_type, int threads) {
+    as_float_type(x, x_type, [&]<typename T>(const T* xt) {
+        as_float_type(w, w_type, [&](const auto* wt) { dense(xt, wt, static_cast<T*>(y), rows, n, k, threads); });
+    });
 }
 
-extern "C" void linear_panels(const void* x, const float* panels, void* y, int64_t rows, int64_t n, int64_t k,
-                              int x_bf16, int threads) {
-    const auto run = [&]<typename T>(const T* xt) {
-        if (k == 0)
-            std::fill_n(static_cast<T*>(y), rows * n, T(0));
-        else if (rows <= PANEL_STREAMED)
-            panels_streamed(xt, panels, static_cast<T*>(y), rows, n, k, threads);
-        else
-            panels_in_chunks(xt, panels, static_cast<T*>(y), rows, n, k, threads);
-    };
-    if (x_bf16) run(static_cast<const uint16_t*>(x));
-    else run(static_cast<const float*>(x));
+extern "C" void linear_panels(const void* x, const void* panels, void* y, int64_t rows, int64_t n, int64_t k,
+                              int x_type, int w_type, int threads) {
+    as_float_type(x, x_type, [&]<typename T>(const T* xt) {
+        T* yt = static_cast<T*>(y);
+        if (k == 0) {
+            for (int64_t i = 0; i < rows * n; i++) store1(yt + i, 0.0f);
+            return;
+        }
+        as_float_type(panels, w_type, [&](const auto* wt) {
+            if (rows <= PANEL_STREAMED)
+                panels_streamed(xt, wt, yt, rows, n, k, threads);
+            else
+                panels_in_chunks(xt, wt, yt, rows, n, k, threads);
+        });
+    });
 }
 
-extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
+extern "C" void quantize_activations(const void* x, int x_type, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
                                      int64_t k, int threads) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     // vpackssdw/vpacksswb interleave the two 128-bit lanes; this puts the 32 bytes back in order.
@@ -604,7 +627,7 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
     for (int64_t block = 0; block < blocks; block++) {
         __m256 part[4], amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
         for (int j = 0; j < 4; j++) {
-            part[j] = load8(x, block * BLOCK + 8 * j, x_bf16);
+            part[j] = load8(x, block * BLOCK + 8 * j, x_type);
             amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));  // max drops a NaN: counted apart
             unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(part[j], part[j], _CMP_UNORD_Q));
         }
@@ -628,29 +651,29 @@ extern "C" void quantize_activations(const void* x, int x_bf16, int8_t* xq, floa
 }
 
 extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xsum, const int8_t* codes,
-                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_dtype,
-                            int y_bf16, int threads) {
-    integer_linear({xq, xd, xsum}, Int8Format{scales, scales_dtype, k / BLOCK}, codes, y, rows, n, k, y_bf16, threads);
+                            const void* scales, void* y, int64_t rows, int64_t n, int64_t k, int scales_type,
+                            int y_type, int threads) {
+    integer_linear({xq, xd, xsum}, Int8Format{scales, scales_type, k / BLOCK}, codes, y, rows, n, k, y_type, threads);
 }
 
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
                             const void* scales, const void* offsets, const void* super_scales,
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
-                            int64_t k, int64_t group, int scales_dtype, int y_bf16, int threads) {
-    const Int4Format format{scales, offsets, scales_dtype, k / group, group / BLOCK};
+                            int64_t k, int64_t group, int scales_type, int y_type, int threads) {
+    const Int4Format format{scales, offsets, scales_type, k / group, group / BLOCK};
     if (!super_scales) {
-        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_bf16, threads);
+        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_type, threads);
     } else if (rows < FACTORED_ROWS) {
         integer_linear({xq, xd, xsum}, FactoredInt4Format{format, super_scales, super_offsets, k / super_group, super_group / group},
-                       codes, y, rows, n, k, y_bf16, threads);
+                       codes, y, rows, n, k, y_type, threads);
     } else {
         thread_local std::vector<float> products;  // the largest matrix's, kept: 1/16 of its weights' count
         const int64_t sets = n / 8, groups = k / group, count = sets * groups * 8;
         products.resize(2 * count);
-        multiply_out(scales, super_scales, scales_dtype, products.data(), sets, groups, super_group / group, threads);
-        multiply_out(offsets, super_offsets, scales_dtype, products.data() + count, sets, groups, super_group / group, threads);
-        integer_linear({xq, xd, xsum}, Int4Format{products.data(), products.data() + count, SCALES_F32, groups, group / BLOCK},
-                       codes, y, rows, n, k, y_bf16, threads);
+        multiply_out(scales, super_scales, scales_type, products.data(), sets, groups, super_group / group, threads);
+        multiply_out(offsets, super_offsets, scales_type, products.data() + count, sets, groups, super_group / group, threads);
+        integer_linear({xq, xd, xsum}, Int4Format{products.data(), products.data() + count, F32, groups, group / BLOCK},
+                       codes, y, rows, n, k, y_type, threads);
     }
 }
 
@@ -658,7 +681,7 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 
 extern "C" int vector_kernels_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
-extern "C" void linear_panels(const void*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
+extern "C" void linear_panels(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}

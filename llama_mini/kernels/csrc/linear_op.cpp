@@ -32,7 +32,7 @@ at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
     TORCH_CHECK(x.device().is_cpu(), "llama_mini::linear: CPU tensors only");
     TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "llama_mini::linear: input of shape ", x.sizes(),
                 " for a weight with ", k, " inputs");
-    check_float(x, "the input");
+    float_type(x, "the input");
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = n;
     return at::empty(sizes, x.options());
@@ -49,7 +49,7 @@ const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k) {
     TORCH_CHECK(k % 32 == 0, "llama_mini::linear: integer weights need a multiple of 32 inputs, not ", k);
     thread_local Activations a;
     a.codes.resize(rows * k), a.scales.resize(rows * k / 32), a.sums.resize(rows * k / 32);
-    quantize_activations(x.const_data_ptr(), is_bf16(x), a.codes.data(), a.scales.data(), a.sums.data(), rows, k,
+    quantize_activations(x.const_data_ptr(), float_type(x, "the input"), a.codes.data(), a.scales.data(), a.sums.data(), rows, k,
                          threads_for_work(8 * rows * k));  // a few operations per input
     return a;
 }
@@ -68,16 +68,17 @@ IntegerCall integer_call(const at::Tensor& x, int64_t n, int64_t k) {
     return {y, rows, quantized(xc, rows, k)};
 }
 
-// A float32 weight held in panels (n / 16, k, 16) (kernels.h's linear_panels).
+// A weight held in panels (n / 16, k, 16) (kernels.h's linear_panels).
 at::Tensor panels_op(const at::Tensor& x, const at::Tensor& panels) {
-    TORCH_CHECK(panels.is_contiguous() && panels.size(2) == 16 && panels.scalar_type() == at::kFloat,
-                "llama_mini::linear_dense: panels (outputs / 16, inputs, 16), contiguous float32");
+    TORCH_CHECK(panels.is_contiguous() && panels.size(2) == 16,
+                "llama_mini::linear_dense: panels (outputs / 16, inputs, 16), contiguous");
+    const int w_type = float_type(panels, "the weight");
     const int64_t n = panels.size(0) * 16, k = panels.size(1);
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
     const int64_t rows = rows_of(xc);
-    ::linear_panels(xc.const_data_ptr(), panels.const_data_ptr<float>(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
-                    threads_for(rows, n, k));
+    ::linear_panels(xc.const_data_ptr(), panels.const_data_ptr(), y.mutable_data_ptr(), rows, n, k,
+                    float_type(x, "the input"), w_type, threads_for(rows, n, k));
     return y;
 }
 
@@ -86,13 +87,13 @@ at::Tensor panels_op(const at::Tensor& x, const at::Tensor& panels) {
 at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight) {
     if (weight.dim() == 3) return panels_op(x, weight);
     TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "llama_mini::linear_dense: a contiguous 2-D weight, or 3-D panels");
-    check_float(weight, "the weight");
+    const int w_type = float_type(weight, "the weight");
     const int64_t n = weight.size(0), k = weight.size(1);
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
     const int64_t rows = rows_of(xc);
-    ::linear_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k, is_bf16(x),
-                   is_bf16(weight), threads_for(rows, n, k));
+    ::linear_dense(xc.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rows, n, k,
+                   float_type(x, "the input"), w_type, threads_for(rows, n, k));
     return y;
 }
 
@@ -102,10 +103,10 @@ at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     const int64_t n = weight.size(0) * 8, k = weight.size(1) / 8;
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == weight.size(0) && scales.size(1) == k / 32 * 8 && scales.is_contiguous(),
                 "llama_mini::linear_int8: scales (rows / 8, inputs / 32 * 8), one per row and block of 32 inputs");
-    const int dtype = scales_dtype(scales);
+    const int dtype = float_type(scales, "the scales");
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int8(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), weight.const_data_ptr<int8_t>(),
-                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, dtype, is_bf16(call.y),
+                  scales.const_data_ptr(), call.y.mutable_data_ptr(), call.rows, n, k, dtype, float_type(call.y, "the input"),
                   threads_for(call.rows, n, k));
     return call.y;
 }
@@ -136,11 +137,12 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
         supers[0] = s.const_data_ptr(), supers[1] = super_offsets->const_data_ptr();
         super_group = k / (super_width / 8);
     }
-    const int dtype = scales_dtype(supers[0] ? *super_scales : scales);
+    const int dtype = float_type(supers[0] ? *super_scales : scales, "the scales");
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
                   scales.const_data_ptr(), offsets.const_data_ptr(), supers[0], supers[1], super_group,
-                  call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, is_bf16(call.y), threads_for(call.rows, n, k));
+                  call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, float_type(call.y, "the input"),
+                  threads_for(call.rows, n, k));
     return call.y;
 }
 

@@ -19,19 +19,12 @@ at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b);
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t start);
 
-inline bool is_bf16(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
-
-// An integer layer's scales: float32, bfloat16 or float16, as kernels.h's scales_dtype numbers them.
-inline int scales_dtype(const at::Tensor& scales) {
-    TORCH_CHECK(scales.scalar_type() == at::kFloat || is_bf16(scales) || scales.scalar_type() == at::kHalf,
-                "llama_mini::linear: the scales must be float32, bfloat16 or float16, not ", scales.scalar_type());
-    return scales.scalar_type() == at::kFloat ? 0 : is_bf16(scales) ? 1 : 2;
-}
-
-// The kernels of kernels.h take float32 or bfloat16 tensors.
-inline void check_float(const at::Tensor& t, const char* what) {
-    TORCH_CHECK(t.scalar_type() == at::kFloat || is_bf16(t), "llama_mini::linear: ", what,
-                " must be float32 or bfloat16, not ", t.scalar_type());
+// A kernel's float operand (kernels.h): float32, bfloat16 or float16, numbered 0, 1 and 2.
+inline int float_type(const at::Tensor& t, const char* what) {
+    const at::ScalarType type = t.scalar_type();
+    TORCH_CHECK(type == at::kFloat || type == at::kBFloat16 || type == at::kHalf, "llama_mini: ", what,
+                " must be float32, bfloat16 or float16, not ", type);
+    return type == at::kFloat ? 0 : type == at::kBFloat16 ? 1 : 2;
 }
 
 // Below this many multiply-adds (or a few operations an element) one thread does the work:

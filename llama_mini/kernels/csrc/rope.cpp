@@ -56,13 +56,10 @@ void rope_rows(const T* x, T* out, const float* cos, const float* sin, int64_t r
 }  // namespace
 
 extern "C" void rope(const void* x, void* out, const float* cos, const float* sin, int64_t rows, int64_t heads,
-                     int64_t positions, int64_t head_dim, int backward, int bf16, int threads) {
-    if (bf16)
-        rope_rows(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(out), cos, sin, rows, heads, positions,
-                  head_dim, backward, threads);
-    else
-        rope_rows(static_cast<const float*>(x), static_cast<float*>(out), cos, sin, rows, heads, positions, head_dim,
-                  backward, threads);
+                     int64_t positions, int64_t head_dim, int backward, int type, int threads) {
+    as_float_type(x, type, [&]<typename T>(const T* xt) {
+        rope_rows(xt, static_cast<T*>(out), cos, sin, rows, heads, positions, head_dim, backward, threads);
+    });
 }
 
 #else  // no AVX2: nothing here runs (vector_kernels_available() says so).

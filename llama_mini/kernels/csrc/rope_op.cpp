@@ -19,7 +19,7 @@ namespace llama_mini {
 at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool backward) {
     TORCH_CHECK(vector_kernels_available(), "llama_mini::rope: this build has no vector kernels");
     TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.size(3) % 8 == 0, "llama_mini::rope: x (B, T, heads, d) on the CPU, d a multiple of 8");
-    check_float(x, "x");
+    const int type = float_type(x, "x");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == x.size(1) * x.size(3) &&
                     sin.numel() == cos.numel(),
                 "llama_mini::rope: float32 cos and sin, d values per position");
@@ -27,7 +27,7 @@ at::Tensor rope_op(const at::Tensor& x, const at::Tensor& cos, const at::Tensor&
     at::Tensor out = at::empty_like(xc);
     const int64_t rows = xc.numel() / std::max<int64_t>(xc.size(3), 1);
     ::rope(xc.const_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(), sinc.const_data_ptr<float>(), rows,
-           xc.size(2), xc.size(1), xc.size(3), backward, is_bf16(xc), threads_for_work(xc.numel() * 4));
+           xc.size(2), xc.size(1), xc.size(3), backward, type, threads_for_work(xc.numel() * 4));
     return out;
 }
 

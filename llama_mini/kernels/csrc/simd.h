@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "bf16.h"
 
@@ -29,19 +30,37 @@ namespace simd {
 
 constexpr int64_t BLOCK = 32;  // activations per int8 block (quant/layers.py's quantized_activations)
 
+// The three float types (kernels.h numbers them): float32 as float, bfloat16 as its bits
+// (uint16_t), float16 as Half (F16C converts it: part of x86-64-v3 with AVX2).
+enum FloatType : int { F32 = 0, BF16 = 1, F16 = 2 };
+struct Half {
+    uint16_t bits;
+};
+
 inline float load1(const float* p) { return *p; }
 inline float load1(const uint16_t* p) { return bf16_to_float(*p); }
+inline float load1(const Half* p) { return _cvtsh_ss(p->bits); }
 inline void store1(float* p, float v) { *p = v; }
 inline void store1(uint16_t* p, float v) { *p = float_to_bf16(v); }
+inline void store1(Half* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }  // as torch rounds
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const uint16_t* p) {
     const __m256i widened = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(widened, 16));
 }
-// Eight float32 or bfloat16 values from p + i.
-inline __m256 load8(const void* p, int64_t i, bool bf16) {
-    return bf16 ? load8(static_cast<const uint16_t*>(p) + i) : load8(static_cast<const float*>(p) + i);
+inline __m256 load8(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+// Eight values of float type `type` from p + i, as float32.
+inline __m256 load8(const void* p, int64_t i, int type) {
+    if (type == F16) return load8(static_cast<const Half*>(p) + i);
+    return type == BF16 ? load8(static_cast<const uint16_t*>(p) + i) : load8(static_cast<const float*>(p) + i);
+}
+
+// Calls body(pointer) with p as a pointer to the float type `type` names.
+template <typename Body> void as_float_type(const void* p, int type, const Body& body) {
+    if (type == F16) body(static_cast<const Half*>(p));
+    else if (type == BF16) body(static_cast<const uint16_t*>(p));
+    else body(static_cast<const float*>(p));
 }
 
 inline float hsum(__m256 v) {
@@ -58,7 +77,7 @@ inline int32_t hsum(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
-// Eight floats stored as float32, or rounded to bfloat16 as float_to_bf16 does.
+// Eight floats stored as float32, or rounded to bfloat16 as float_to_bf16 does, or to float16.
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline void store8(uint16_t* p, __m256 v) {
     const __m256i u = _mm256_castps_si256(v);
@@ -68,12 +87,19 @@ inline void store8(uint16_t* p, __m256 v) {
     const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(bits), _mm256_extracti128_si256(bits, 1));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
 }
+inline void store8(Half* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
 
-// v rounded to bfloat16 as store8 rounds it, as float32.
-inline __m256 round_bf16(__m256 v) {
-    alignas(16) uint16_t bits[8];
-    store8(bits, v);
-    return load8(bits);
+// v rounded to T as store8 rounds it, as float32.
+template <typename T> __m256 rounded(__m256 v) {
+    if constexpr (std::is_same_v<T, float>) {
+        return v;
+    } else {
+        alignas(16) T bits[8];
+        store8(bits, v);
+        return load8(bits);
+    }
 }
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
@@ -108,6 +134,7 @@ struct Floats16 {
         const __m512i widened = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
         return {_mm512_castsi512_ps(_mm512_slli_epi32(widened, 16))};
     }
+    static Floats16 load(const Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
     static Floats16 join(__m256 low, __m256 high) { return {_mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1)}; }
     __m256 low() const { return _mm512_castps512_ps256(v); }
     __m256 high() const { return _mm512_extractf32x8_ps(v, 1); }
@@ -301,18 +328,9 @@ inline Floats16 int4_block(Floats16 acc, Ints16 isum, Floats16 scales, Floats16 
     return fma(Floats16::all(d * static_cast<float>(xsum)), offsets, acc);
 }
 
-// The dtypes an integer layer's scales come in (kernels.h's scales_dtype).
-enum ScaleType : int { SCALES_F32 = 0, SCALES_BF16 = 1, SCALES_F16 = 2 };
-
-// Eight scales from p + i, as floats.
-inline __m256 load8_scales(const void* p, int64_t i, int type) {
-    if (type == SCALES_F16) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i)));
-    return load8(p, i, type == SCALES_BF16);
-}
-
 // The scales (or offsets) of sets `first` and `second` for group g: (sets, groups, 8) interleaved.
 inline Floats16 set_pair_scales(const void* scales, int type, int64_t first, int64_t second, int64_t groups, int64_t g) {
-    return Floats16::join(load8_scales(scales, (first * groups + g) * 8, type), load8_scales(scales, (second * groups + g) * 8, type));
+    return Floats16::join(load8(scales, (first * groups + g) * 8, type), load8(scales, (second * groups + g) * 8, type));
 }
 
 // The uint8 factors of sets `first` and `second` for group g, as floats: (sets, groups, 8).

@@ -30,11 +30,7 @@ using namespace simd;
 inline __m256 one_plus_exp_neg(__m256 x) { return _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x))); }
 
 // silu(a) as the forward multiplies it: rounded to the dtype.
-template <typename T> __m256 silu8(__m256 x, __m256 denominator) {
-    const __m256 silu = _mm256_div_ps(x, denominator);
-    if constexpr (sizeof(T) == 2) return round_bf16(silu);
-    return silu;
-}
+template <typename T> __m256 silu8(__m256 x, __m256 denominator) { return rounded<T>(_mm256_div_ps(x, denominator)); }
 
 template <typename T> void gate8(const T* a, const T* b, T* out) {
     const __m256 x = load8(a);
@@ -47,8 +43,7 @@ template <typename T> void gate_grad8(const T* a, const T* b, const T* dout, T* 
     const __m256 x = load8(a), d = load8(dout), one = _mm256_set1_ps(1.0f);
     const __m256 s = _mm256_div_ps(one, one_plus_exp_neg(x));
     const __m256 slope = _mm256_mul_ps(s, _mm256_add_ps(one, _mm256_mul_ps(x, _mm256_sub_ps(one, s))));
-    __m256 silu = _mm256_mul_ps(x, s);
-    if constexpr (sizeof(T) == 2) silu = round_bf16(silu);
+    const __m256 silu = rounded<T>(_mm256_mul_ps(x, s));
     store8(da, _mm256_mul_ps(_mm256_mul_ps(d, load8(b)), slope));
     store8(db, _mm256_mul_ps(d, silu));
 }
@@ -86,21 +81,15 @@ template <typename T> void gate_grad(const T* a, const T* b, const T* dout, T* d
 
 }  // namespace
 
-extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int bf16, int threads) {
-    if (bf16)
-        gate(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), static_cast<uint16_t*>(out), n, threads);
-    else
-        gate(static_cast<const float*>(a), static_cast<const float*>(b), static_cast<float*>(out), n, threads);
+extern "C" void swiglu(const void* a, const void* b, void* out, int64_t n, int type, int threads) {
+    as_float_type(a, type, [&]<typename T>(const T* at) { gate(at, static_cast<const T*>(b), static_cast<T*>(out), n, threads); });
 }
 
-extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int bf16,
+extern "C" void swiglu_backward(const void* a, const void* b, const void* dout, void* da, void* db, int64_t n, int type,
                                 int threads) {
-    if (bf16)
-        gate_grad(static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), static_cast<const uint16_t*>(dout),
-                  static_cast<uint16_t*>(da), static_cast<uint16_t*>(db), n, threads);
-    else
-        gate_grad(static_cast<const float*>(a), static_cast<const float*>(b), static_cast<const float*>(dout),
-                  static_cast<float*>(da), static_cast<float*>(db), n, threads);
+    as_float_type(a, type, [&]<typename T>(const T* at) {
+        gate_grad(at, static_cast<const T*>(b), static_cast<const T*>(dout), static_cast<T*>(da), static_cast<T*>(db), n, threads);
+    });
 }
 
 #else  // no AVX2: nothing here runs (vector_kernels_available() says so).

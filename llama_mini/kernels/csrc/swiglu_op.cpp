@@ -17,10 +17,10 @@ at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b) {
     TORCH_CHECK(vector_kernels_available(), "llama_mini::swiglu: this build has no vector kernels");
     TORCH_CHECK(a.device().is_cpu() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
                 "llama_mini::swiglu: a and b of one shape and dtype, on the CPU");
-    check_float(a, "a");
+    const int type = float_type(a, "a");
     const at::Tensor ac = a.contiguous(), bc = b.contiguous();
     at::Tensor out = at::empty_like(ac);
-    ::swiglu(ac.const_data_ptr(), bc.const_data_ptr(), out.mutable_data_ptr(), ac.numel(), is_bf16(ac),
+    ::swiglu(ac.const_data_ptr(), bc.const_data_ptr(), out.mutable_data_ptr(), ac.numel(), type,
              threads_for_work(ac.numel() * 16));
     return out;
 }
@@ -42,7 +42,7 @@ struct SwiGLUFunction : public torch::autograd::Function<SwiGLUFunction> {
         const at::Tensor &a = saved[0], &b = saved[1], dout = grads[0].contiguous();
         at::Tensor da = at::empty_like(a), db = at::empty_like(b);
         ::swiglu_backward(a.const_data_ptr(), b.const_data_ptr(), dout.const_data_ptr(), da.mutable_data_ptr(),
-                          db.mutable_data_ptr(), a.numel(), is_bf16(a),
+                          db.mutable_data_ptr(), a.numel(), float_type(a, "a"),
                           threads_for_work(a.numel() * 16));
         return {da, db};
     }
