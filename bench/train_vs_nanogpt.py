@@ -240,6 +240,8 @@ def main():
         if args.plot:
             plot(args.plot, runs, runs["nanoGPT"].points[-1][2])
         return
+    if args.seeds < 1:
+        p.error(f"--seeds {args.seeds}: give at least 1 pair to run")
     if args.nanogpt is None:
         p.error("--nanogpt DIR is required (or --report JSON)")
 
