@@ -400,7 +400,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=3, help="runs per variant, seeds --seed, --seed + 1, ... (default: 3)")
     p.add_argument("--out", default="checkpoints/ablation", help="a new folder for report.md, metrics.csv, the plots and the runs (default: checkpoints/ablation)")
     p.add_argument("--target-loss", type=float, default=None, help="for the time-to-loss column (default: LayerNorm's final + 2%%)")
-    add_arguments(p, ("data", *DEFAULTS, "lr", "norm_p", "seed", "vocab_size", "cache_dir", "device"), DEFAULTS)
+    add_arguments(p, ("data", *DEFAULTS, "lr", "norm_p", "seed", "vocab_size", "cache_dir", "device", "flush_denormals"),
+                  DEFAULTS)
     return p
 
 
@@ -437,6 +438,9 @@ def parse_vary(item: str):
     if not sep or field_name not in fields:
         raise ValueError(f"--vary {item!r}: give a train.py flag and its values, e.g. --vary lr=1e-3,3e-3"
                          + ("" if not sep else f" ({flag(field_name)} is not a train.py flag)"))
+    if field_name == "flush_denormals":
+        raise ValueError("--vary flush-denormals: it sets the whole process (every CPU thread), and the variants train in "
+                         "one process; run the ablation once with --flush-denormals and once without")
     if field_name in NOT_VARIED:
         raise ValueError(f"--vary {flag(field_name)}: it says where or how a run is written or watched, not what it trains; "
                          "vary a flag of the model, the data or the optimisation")

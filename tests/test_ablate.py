@@ -311,6 +311,7 @@ def test_identical_variants_get_no_difference_detected(tmp_path, data, capsys):
     (["--vary", "lr=1e-3,-1"], "--lr must be > 0, got -1.0"),
     (["--vary", "norm=rmsnorm,batchnorm"], "--vary --norm: 'batchnorm' is not one of rmsnorm, prmsnorm, layernorm, none"),
     (["--vary", "out=a,b"], "--vary --out: it says where or how a run is written or watched"),
+    (["--vary", "flush-denormals=true,false"], "--vary flush-denormals: it sets the whole process (every CPU thread)"),
     (["--vary", "lr=1e-3,3e-3", "--vary", "lr=1e-2,3e-2"], "--lr is varied twice (--vary)"),
     (["--norms", "rmsnorm,layernorm", "--vary", "norm=rmsnorm,none"], "--norm is varied twice (--norms and --vary norm)"),
 ])

@@ -85,6 +85,10 @@ class TrainConfig:
     compile: bool = option(False, "torch.compile the model, each Transformer block on its own")
     kernels: str = option("auto", "auto: on a CPU, llama_mini's fused RMSNorm, SwiGLU gate and RoPE kernels, where they "
                           "build (on a GPU with Triton, each RMSNorm compiled); off: model.py's own code", choices=KERNELS)
+    flush_denormals: Optional[bool] = option(
+        None, "read and write subnormal floats (below 1.2e-38) as zero on every CPU thread, as a GPU's fast paths do: "
+        "x86 computes on them in microcode, and a run that meets them slows as it trains by up to 50%%, by another "
+        "amount each seed; changes the run's bits", fresh=False)
     fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block) under torchrun")
 
     def __post_init__(self):

@@ -42,8 +42,9 @@ from .plots import Curve, plot_curves
 RUN_RECORD, TRAIN_STATE, METRICS = "run.json", "train_state.pt", "metrics.jsonl"
 
 # Settings a resumed run must share with its checkpoint: they fix the model and the data it
-# sees (and under --fsdp, the optimizer state is keyed by parameter name, not position).
-RESUME_MUST_MATCH = (*MODEL_SHAPE, "tokenizer", "seq_len", "val_fraction", "fsdp", "optimizer", "lr_schedule")
+# sees and how it steps (under --fsdp, the optimizer state is keyed by parameter name, not position).
+RESUME_MUST_MATCH = (*MODEL_SHAPE, "tokenizer", "seq_len", "val_fraction", "fsdp", "optimizer", "lr_schedule",
+                     "flush_denormals")
 
 
 class RunFolder:

@@ -15,7 +15,7 @@ import torch
 
 from ..support.device import pick_device
 from ..formats.checkpoint import checkpoint_tokenizer, load_checkpoint
-from ..kernels import use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
+from ..kernels import flush_subnormals, use_fused_rmsnorm, use_fused_rope, use_fused_swiglu
 from ..support.memory import check_free_memory, training_bytes
 from ..model import Transformer
 from ..quant import dequantize
@@ -40,6 +40,8 @@ def start_run(cfg: TrainConfig) -> TrainingRun:
     saved = folder.read_state() if cfg.resume else None
     if saved is not None:
         cfg = folder.resumed_config(cfg, saved)
+    if cfg.flush_denormals:
+        flush_subnormals()
     group.join(device)
     try:
         run = _build(cfg, saved, folder, group, device)

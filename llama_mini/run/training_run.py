@@ -69,7 +69,8 @@ class TrainingRun:
         return (
             f"{self.n_params / 1e6:.2f}M parameters (dim {args.dim}, {args.n_layers} layers, vocab {args.vocab_size}); "
             f"{len(self.tokens.splits['train']) / 1e6:.2f}M training tokens; {self.device} "
-            f"{'bfloat16' if self.trainer.bf16 else 'float32'}{f' x {world} processes' if world > 1 else ''}; "
+            f"{'bfloat16' if self.trainer.bf16 else 'float32'}{', subnormals flushed' if cfg.flush_denormals else ''}"
+            f"{f' x {world} processes' if world > 1 else ''}; "
             f"run folder {self.folder.path}{start}"
         )
 

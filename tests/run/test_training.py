@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import llama_mini
+from llama_mini.kernels import build
 from llama_mini.run import corpus
 from llama_mini.run.folder import read_metrics
 from llama_mini.trainer import NonFiniteLoss, configure_optimizer, flops_per_token, lr_at
@@ -353,6 +354,20 @@ def test_muon_and_wsd_resume_after_sigkill_with_bitwise_identical_weights_taking
     rc, _, stderr = Cli([*muon_wsd_run["args"], "--out", tmp_path / "run", "--resume", "--optimizer", "adamw"],
                         tmp_path / "refused").finish()
     assert rc == 2 and "it was trained with --optimizer muon (now adamw)" in stderr, stderr
+
+
+def test_flush_denormals_is_said_recorded_and_kept_by_resume_which_cannot_contradict_it(text_file, cache_dir, tmp_path):
+    """--flush-denormals changes a run's arithmetic: the run says so, and it is the run's own."""
+    if build.checked(lambda: None)[1] is not None:
+        pytest.skip("the CPU kernels do not build here")
+    base = dict(data=text_file, cache_dir=cache_dir, device="cpu", save_every=2, eval_every=2, **{**TINY, "sample_tokens": 0})
+    run = tmp_path / "run"
+    rc, stdout, stderr = Cli([*flags(**base, max_steps=2), "--flush-denormals", "--out", run], tmp_path / "first").finish()
+    assert rc == 0 and "cpu float32, subnormals flushed;" in stdout, stderr
+    rc, stdout, stderr = Cli([*flags(**base, max_steps=4), "--out", run, "--resume"], tmp_path / "resumed").finish()
+    assert rc == 0 and "subnormals flushed" in stdout and "resuming at step 2" in stdout, stderr
+    rc, _, stderr = Cli([*flags(**base, max_steps=6), "--out", run, "--resume", "--no-flush-denormals"], tmp_path / "no").finish()
+    assert rc == 2 and "it was trained with --flush-denormals True (now False)" in stderr, stderr
 
 
 def test_muon_with_fsdp_is_refused_in_one_line():
