@@ -439,8 +439,8 @@ def parse_vary(item: str):
         raise ValueError(f"--vary {item!r}: give a train.py flag and its values, e.g. --vary lr=1e-3,3e-3"
                          + ("" if not sep else f" ({flag(field_name)} is not a train.py flag)"))
     if field_name == "flush_denormals":
-        raise ValueError("--vary flush-denormals: it sets the whole process (every CPU thread), and the variants train in "
-                         "one process; run the ablation once with --flush-denormals and once without")
+        raise ValueError(f"--vary {flag(field_name)}: it sets the whole process (every CPU thread), and the variants train "
+                         "in one process; run the ablation once with --flush-denormals and once without")
     if field_name in NOT_VARIED:
         raise ValueError(f"--vary {flag(field_name)}: it says where or how a run is written or watched, not what it trains; "
                          "vary a flag of the model, the data or the optimisation")

@@ -3,6 +3,9 @@
 import csv
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,11 +15,12 @@ from torch import nn
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.run import corpus
 from llama_mini.ablate import Run, main, summarize, table, time_to_reach
+from llama_mini.kernels import build
 from llama_mini.trainer import NonFiniteLoss, Trainer
 from llama_mini.run.start import start_run
 from llama_mini.run.config import TrainConfig
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 import train as train_cli  # noqa: E402  (the top-level script, called in-process)
 
 TINY = dict(dim=32, n_layers=1, n_heads=2, vocab_size=400, seq_len=32, batch_size=4, eval_iters=2)
@@ -302,6 +306,17 @@ def test_identical_variants_get_no_difference_detected(tmp_path, data, capsys):
     assert "no difference detected" in capsys.readouterr().out
 
 
+def test_flush_denormals_holds_for_every_variant_and_the_report_says_so(tmp_path, data):
+    """The mode is the process's, so every run of the ablation trains with it (in a subprocess: it stays set)."""
+    if build.checked(lambda: None)[1] is not None:
+        pytest.skip("the CPU kernels do not build here")
+    args = flags(**TINY, **data, seeds=1, max_steps=2, warmup_steps=1, eval_every=2, out=tmp_path / "flushed", device="cpu")
+    done = subprocess.run([sys.executable, "-m", "llama_mini.ablate", *args, "--norms", "rmsnorm,layernorm", "--flush-denormals"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert done.returncode == 0, done.stderr
+    assert ", --flush-denormals True, " in (tmp_path / "flushed" / "report.md").read_text()
+
+
 @pytest.mark.parametrize("vary, message", [
     (["--vary", "learning-rate=1e-3,3e-3"], "(--learning-rate is not a train.py flag)"),
     (["--vary", "lr"], "--vary 'lr': give a train.py flag and its values"),
@@ -311,7 +326,7 @@ def test_identical_variants_get_no_difference_detected(tmp_path, data, capsys):
     (["--vary", "lr=1e-3,-1"], "--lr must be > 0, got -1.0"),
     (["--vary", "norm=rmsnorm,batchnorm"], "--vary --norm: 'batchnorm' is not one of rmsnorm, prmsnorm, layernorm, none"),
     (["--vary", "out=a,b"], "--vary --out: it says where or how a run is written or watched"),
-    (["--vary", "flush-denormals=true,false"], "--vary flush-denormals: it sets the whole process (every CPU thread)"),
+    (["--vary", "flush-denormals=true,false"], "--vary --flush-denormals: it sets the whole process (every CPU thread)"),
     (["--vary", "lr=1e-3,3e-3", "--vary", "lr=1e-2,3e-2"], "--lr is varied twice (--vary)"),
     (["--norms", "rmsnorm,layernorm", "--vary", "norm=rmsnorm,none"], "--norm is varied twice (--norms and --vary norm)"),
 ])

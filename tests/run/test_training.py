@@ -1,5 +1,6 @@
 """Training: the optimizer recipe, train.py end to end, checkpoints, exact resume, bad input."""
 
+import json
 import math
 import os
 import random
@@ -368,6 +369,33 @@ def test_flush_denormals_is_said_recorded_and_kept_by_resume_which_cannot_contra
     assert rc == 0 and "subnormals flushed" in stdout and "resuming at step 2" in stdout, stderr
     rc, _, stderr = Cli([*flags(**base, max_steps=6), "--out", run, "--resume", "--no-flush-denormals"], tmp_path / "no").finish()
     assert rc == 2 and "it was trained with --flush-denormals True (now False)" in stderr, stderr
+
+
+# A run started in a fresh process whose torch threads already run, with the flag or without:
+# whether every thread then flushes subnormals.
+FLUSHED_RUN = """
+import json, sys, torch
+from llama_mini.kernels.subnormals import every_thread_flushes
+from llama_mini.run.config import TrainConfig
+from llama_mini.run.start import start_run
+torch.set_num_threads(2)
+assert not every_thread_flushes()
+run = start_run(TrainConfig(**json.loads(sys.argv[1])))
+print(every_thread_flushes())
+run.close()
+"""
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_a_run_with_flush_denormals_flushes_on_every_thread_and_one_without_on_none(text_file, cache_dir, tmp_path, flush):
+    if build.checked(lambda: None)[1] is not None:
+        pytest.skip("the CPU kernels do not build here")
+    cfg = dict(data=str(text_file), cache_dir=str(cache_dir), device="cpu", out=str(tmp_path / "run"), flush_denormals=flush,
+               **TINY)
+    done = subprocess.run([sys.executable, "-c", FLUSHED_RUN, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [str(flush)], done.stdout
 
 
 def test_muon_with_fsdp_is_refused_in_one_line():
