@@ -13,3 +13,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def kernel_library():
+    """Skip where the CPU kernels' library does not build (no compiler): what needs its
+    operators, not its vector code (which operators() also needs)."""
+    from llama_mini.kernels import build
+
+    why = build.checked(lambda: None)[1]
+    if why is not None:
+        pytest.skip(f"the CPU kernels do not build here: {why}")

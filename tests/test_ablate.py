@@ -15,7 +15,6 @@ from torch import nn
 from llama_mini import ModelArgs, RMSNorm, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.run import corpus
 from llama_mini.ablate import Run, main, summarize, table, time_to_reach
-from llama_mini.kernels import build
 from llama_mini.trainer import NonFiniteLoss, Trainer
 from llama_mini.run.start import start_run
 from llama_mini.run.config import TrainConfig
@@ -306,10 +305,9 @@ def test_identical_variants_get_no_difference_detected(tmp_path, data, capsys):
     assert "no difference detected" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("kernel_library")
 def test_flush_denormals_holds_for_every_variant_and_the_report_says_so(tmp_path, data):
     """The mode is the process's, so every run of the ablation trains with it (in a subprocess: it stays set)."""
-    if build.checked(lambda: None)[1] is not None:
-        pytest.skip("the CPU kernels do not build here")
     args = flags(**TINY, **data, seeds=1, max_steps=2, warmup_steps=1, eval_every=2, out=tmp_path / "flushed", device="cpu")
     done = subprocess.run([sys.executable, "-m", "llama_mini.ablate", *args, "--norms", "rmsnorm,layernorm", "--flush-denormals"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "2"})

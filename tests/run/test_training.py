@@ -17,7 +17,6 @@ import torch
 from safetensors.torch import load_file
 
 import llama_mini
-from llama_mini.kernels import build
 from llama_mini.run import corpus
 from llama_mini.run.folder import read_metrics
 from llama_mini.trainer import NonFiniteLoss, configure_optimizer, flops_per_token, lr_at
@@ -357,10 +356,9 @@ def test_muon_and_wsd_resume_after_sigkill_with_bitwise_identical_weights_taking
     assert rc == 2 and "it was trained with --optimizer muon (now adamw)" in stderr, stderr
 
 
+@pytest.mark.usefixtures("kernel_library")
 def test_flush_denormals_is_said_recorded_and_kept_by_resume_which_cannot_contradict_it(text_file, cache_dir, tmp_path):
     """--flush-denormals changes a run's arithmetic: the run says so, and it is the run's own."""
-    if build.checked(lambda: None)[1] is not None:
-        pytest.skip("the CPU kernels do not build here")
     base = dict(data=text_file, cache_dir=cache_dir, device="cpu", save_every=2, eval_every=2, **{**TINY, "sample_tokens": 0})
     run = tmp_path / "run"
     rc, stdout, stderr = Cli([*flags(**base, max_steps=2), "--flush-denormals", "--out", run], tmp_path / "first").finish()
@@ -386,10 +384,9 @@ run.close()
 """
 
 
+@pytest.mark.usefixtures("kernel_library")
 @pytest.mark.parametrize("flush", [True, False])
 def test_a_run_with_flush_denormals_flushes_on_every_thread_and_one_without_on_none(text_file, cache_dir, tmp_path, flush):
-    if build.checked(lambda: None)[1] is not None:
-        pytest.skip("the CPU kernels do not build here")
     cfg = dict(data=str(text_file), cache_dir=str(cache_dir), device="cpu", out=str(tmp_path / "run"), flush_denormals=flush,
                **TINY)
     done = subprocess.run([sys.executable, "-c", FLUSHED_RUN, json.dumps(cfg)], cwd=ROOT, capture_output=True, text=True,
