@@ -84,15 +84,12 @@ def assert_swaps_every(use, base, faster, attribute, folder):
 
 def load_peak(call: str) -> tuple:
     """(how far `call`, a Python expression that loads a model, raises a fresh process's peak
-    resident memory, the bytes of the model's tensors). The baseline is taken after torch's
-    one-time cost of building a model on the meta device, which every loader pays first."""
+    resident memory, the bytes of the model's tensors)."""
     code = ("import torch\n"
-            "from llama_mini import ModelArgs, Transformer, load_checkpoint\n"
+            "from llama_mini import load_checkpoint\n"
             "import llama_mini.formats.gguf\n"
             "def peak():  # VmHWM: this process's own peak (getrusage's carries the parent's over exec)\n"
             "    return next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
-            "with torch.device('meta'):\n"
-            "    Transformer(ModelArgs(dim=32, n_layers=1, n_heads=2, vocab_size=8))\n"
             "before = peak()\n"
             f"model = {call}\n"
             "tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}.values()\n"

@@ -9,6 +9,7 @@ import itertools
 import re
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ..model import ModelArgs, Transformer
 from .. import quant
@@ -48,7 +49,7 @@ def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "our
     """
     named = (lambda name: name) if layout == "ours" else (lambda name: to_format(name, layout))
     _check_layer_count(args, tensors, source)  # before building: a config may claim millions of layers
-    expected = _empty_model(args, quantization).state_dict()
+    expected = empty_model(args, quantization).state_dict()
     missing = expected.keys() - tensors.keys() - ({"output.weight"} if args.tie_embeddings else set())
     unexpected = tensors.keys() - expected.keys()
     if missing or unexpected:
@@ -84,7 +85,7 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     a live model's; quantization (a stored record) builds the quantized layers it holds; quantize
     ("int8" or "int4") quantizes each linear matrix as it is taken from state, so the float model
     is never held (quant.quantize)."""
-    model = _empty_model(args, quantization)
+    model = empty_model(args, quantization)
     dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
     if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
         dtype = state["tok_embeddings.weight"].dtype
@@ -96,8 +97,22 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _empty_model(args: ModelArgs, quantization) -> Transformer:
+def empty_model(args: ModelArgs, quantization=None) -> Transformer:
     """The model args describes on the meta device (no memory), with quantized layers where the record says."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoDrawsOnMeta():
         model = Transformer(args)
         return model if quantization is None else quant.empty_quantized_model(model, quantization)
+
+
+class _NoDrawsOnMeta(TorchFunctionMode):
+    """Skips the random draws of a model's initial weights on the meta device: they set no value
+    there, and torch's first normal_ on a meta tensor imports its Python decompositions, 800-odd
+    modules, which cost every load about a second and 70 MB."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in ("normal_", "uniform_"):
+            tensor = args[0] if args else kwargs["tensor"]
+            if tensor.is_meta:
+                return tensor
+        return func(*args, **kwargs)
