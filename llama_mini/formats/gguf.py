@@ -35,7 +35,8 @@ from ..support.gguf_file import FLOATS, GGUFFile, check_llama
 from ..support.memory import check_free_memory, return_freed_memory
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
-from ..quant.layers import Int4Linear, QuantizedEmbedding
+from ..quant import layer_method
+from ..quant.layers import QuantizedEmbedding
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
@@ -43,7 +44,7 @@ from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
 from .config_check import check_fields, model_args
 from .names import from_format, to_format
-from .state_dict import check_fits_config
+from .state_dict import check_fits_config, empty_model
 
 TENSOR_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -223,7 +224,7 @@ def read_gguf(path: Path, dtype=None):
 def load_gguf_blocks(path: Path):
     """The model of a GGUF file at the file's precision, or None where it holds no quantized
     tensor (read_gguf maps its float tensors as they are). Each quantized matrix becomes an
-    int8 or int4 layer as it is read (quant/gguf_blocks.py), the token embedding a
+    int8, int4 or int6 layer as it is read (quant/gguf_blocks.py), the token embedding a
     QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
     float32. No float copy of a quantized matrix is ever made; activations are float32."""
     file = GGUFFile(path)
@@ -237,8 +238,7 @@ def load_gguf_blocks(path: Path):
     needed = sum(4 * info.numel if info.type in FLOATS else held_bytes(info.type, info.shape) for info in infos)
     check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
                       "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
-    with torch.device("meta"):
-        model = Transformer(args)
+    model = empty_model(args)
     floats, kinds = {}, {}
     for ours, theirs in names.items():
         info = file.tensors[theirs]
@@ -251,7 +251,7 @@ def load_gguf_blocks(path: Path):
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
         file.release(theirs)
         return_freed_memory()
-        kinds.setdefault(info.type.name, "int4" if isinstance(layer, Int4Linear) else "int8")
+        kinds.setdefault(info.type.name, layer_method(layer))
         parent, _, child = ours.removesuffix(".weight").rpartition(".")
         if child == "tok_embeddings":
             layer = QuantizedEmbedding(layer)

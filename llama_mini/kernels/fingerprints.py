@@ -50,6 +50,10 @@ FINGERPRINTS = {
     "quant.layers:Int4Linear.codes": "de8c10939a988929",
     "quant.layers:Int4Linear.group_scales_and_offsets": "fb106e93d9c0ebd2",
     "quant.layers:Int4Linear.factored": "dd9a55d55579b8a1",
+    "quant.layers:Int6Linear.forward": "207fbc6f4f6086ac",
+    "quant.layers:Int6Linear.dequantize": "d46580b94454dfb4",
+    "quant.layers:Int6Linear.codes": "2826a3eb0af36182",
+    "quant.layers:Int6Linear.sub_block_scales": "a29ce4761a6e3469",
 }
 
 

@@ -1,4 +1,4 @@
-"""Linear layers on the CPU kernels: nn.Linear, Int8Linear and Int4Linear, for prompts and decoding.
+"""Linear layers on the CPU kernels: nn.Linear, Int8Linear, Int4Linear and Int6Linear, for prompts and decoding.
 
 Decoding a token multiplies each weight matrix by one activation row, so on a CPU tokens/s is
 bounded by memory bandwidth / weight bytes; reading a prompt multiplies them by hundreds of
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..quant.layers import Int4Linear, Int8Linear
+from ..quant.layers import Int4Linear, Int6Linear, Int8Linear
 from ..support.memory import release_file_pages
 from .operators import FLOATS, PANEL, operators, to_panels
 
@@ -127,8 +127,19 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
         return ops.linear_int4(x, self.weight, self.scales, self.offsets)
 
 
+class KernelInt6Linear(IntegerKernel, Int6Linear):
+    """Int6Linear on the integer kernel."""
+
+    layer = "int6 kernel"
+    computes = DEFINITION + tuple(f"quant.layers:Int6Linear.{name}" for name in ("forward", "dequantize", "codes", "sub_block_scales"))
+
+    def kernel(self, ops, x):
+        return ops.linear_int6(x, self.weight, self.scales, self.super_scales)
+
+
 # The kernel class each linear layer's class becomes under use_cpu_kernels.
-LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear}
+LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear,
+                  Int6Linear: KernelInt6Linear}
 
 
 def kernel_operands(linear):
@@ -140,6 +151,8 @@ def kernel_operands(linear):
     elif isinstance(linear, Int4Linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
         operands = (linear.weight, linear.scales, linear.offsets, *supers) if linear.rows_of_8 else None
+    elif isinstance(linear, Int6Linear):
+        operands = (linear.weight, linear.scales, None, linear.super_scales, None)
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
         operands = (linear.weight, None, None, None, None)
     else:

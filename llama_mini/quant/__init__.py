@@ -20,7 +20,7 @@ from torch import nn
 
 from ..support.device import fastest_time
 from ..support.memory import return_freed_memory
-from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, INTEGER_LAYERS, Int4Linear, Int6Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
 
@@ -57,7 +57,7 @@ def dequantize(model: nn.Module) -> nn.Module:
     """The inverse of quantize: each quantized layer becomes an nn.Linear holding its dequantized
     weight, in its float_dtype (its scales'), in place; returns model. The weights are the quantized
     ones, not the full-precision weights they came from."""
-    for parent, name, layer in _linears(model, (Int8Linear, Int4Linear)).values():
+    for parent, name, layer in _linears(model, INTEGER_LAYERS).values():
         linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(layer.dequantize())
         setattr(parent, name, linear)
@@ -105,10 +105,10 @@ def quantized_notice(model: nn.Module, flag: Optional[str] = "--quantize", compi
     they cost nothing or model holds none. Eagerly (off the CPU kernels, each call dequantizes
     its weight) the cost is measured here. Compiled, a decoding step reads the codes in one pass
     (layers.py), as fast as float with torch's AVX-512 and AVX2 code, slower with its plain code."""
-    layer = next((m for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear))), None)
+    layer = next((m for m in model.modules() if isinstance(m, INTEGER_LAYERS)), None)
     if layer is None:
         return None
-    method = "int8" if isinstance(layer, Int8Linear) else "int4"
+    method = layer_method(layer)
     # flag None: the layers hold a GGUF file's own blocks, which --dtype float32 would dequantize
     saves = f"{flag} {method} saves memory, not time" if flag else \
         f"the file's {method} blocks save memory, not time (--dtype float32 spends the memory instead)"
@@ -137,8 +137,13 @@ def quantized_slowdown(layer: nn.Module) -> float:
 
 def parameter_count(model: nn.Module) -> int:
     """The model's parameters, counting each quantized weight once (they are buffers, not parameters)."""
-    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, (Int8Linear, Int4Linear)))
+    quantized = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, INTEGER_LAYERS))
     return quantized + sum(p.numel() for p in model.parameters())
+
+
+def layer_method(layer: nn.Module) -> str:
+    """"int8", "int4" or "int6": what an integer layer holds."""
+    return "int8" if isinstance(layer, Int8Linear) else "int4" if isinstance(layer, Int4Linear) else "int6"
 
 
 def check_method(method: str) -> None:

@@ -1,4 +1,4 @@
-"""int8 and int4 linear layers: the function each computes, in plain torch.
+"""int8, int4 and int6 linear layers: the function each computes, in plain torch.
 
 Decoding one token reads every weight once, so on a CPU tokens/s is bounded by memory
 bandwidth / weight bytes: fewer bytes per weight is the speed-up. Both layers compute
@@ -24,6 +24,8 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float32 factor per super-group of inputs
   times a uint8 per group, 4.75 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
+- int6: llama.cpp's Q6_K as its files hold it, w = d s (q - 32) (Int6Linear): a GGUF file's Q6_K
+  matrices are carried into it (gguf_blocks.py); --quantize makes int8 and int4 only.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -37,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int8, unpack_int4,
-                     unpack_int4_rows, unpack_int8)
+from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int6, pack_int8,
+                     unpack_int4, unpack_int4_rows, unpack_int6, unpack_int8)
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -327,6 +329,70 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+
+
+class Int6Linear(nn.Module):
+    """y = quantized_activations(x) W^T with W = d s (q - 32): 6-bit codes q (0..63) in
+    sub-blocks of 16 inputs, each with an int8 factor s, and a float32 d per row and 256 inputs.
+    It is llama.cpp's Q6_K as the file holds it (6.56 bits a weight; here 6.63), for a GGUF
+    file's Q6_K matrices (every Q4_K_M file has some): d s, a 16-bit float times an int8, is
+    exact in float32, and so is d s (q - 32). Rows in sets of eight (layout.py's int6)."""
+
+    group_size, super_group_size, rows_of_8 = 16, 256, True
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        if in_features % self.super_group_size or out_features % ROW_SET:
+            raise ValueError(f"int6 needs inputs in multiples of {self.super_group_size} and outputs in multiples of "
+                             f"{ROW_SET}, not {in_features} -> {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        sets = out_features // ROW_SET
+        self.register_buffer("weight", torch.empty(sets, 6 * in_features, dtype=torch.uint8, device=device))
+        self.register_buffer("scales", torch.empty(sets, in_features // self.group_size * ROW_SET, dtype=torch.int8, device=device))
+        self.register_buffer("super_scales", torch.empty(sets, in_features // self.super_group_size * ROW_SET, device=device))
+
+    def store_rows(self, start: int, codes: torch.Tensor, scales: torch.Tensor, super_scales: torch.Tensor) -> None:
+        """Rows start .. start + len(codes) (multiples of eight) of codes 0..63 as uint8 (rows, in),
+        int8 factors (rows, in / 16) and float32 d (rows, in / 256)."""
+        sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
+        self.weight[sets], self.scales[sets] = pack_int6(codes), interleave_rows(scales)
+        self.super_scales[sets] = interleave_rows(super_scales)
+
+    def codes(self) -> torch.Tensor:
+        """The codes 0..63 as uint8 (out_features, in_features)."""
+        return unpack_int6(self.weight)
+
+    float_dtype = torch.float32
+
+    def sub_block_scales(self) -> torch.Tensor:
+        """d s for each row and sub-block of 16 inputs, (out_features, in_features / 16), in float32."""
+        supers = deinterleave_rows(self.super_scales).repeat_interleave(self.super_group_size // self.group_size, dim=1)
+        return supers * deinterleave_rows(self.scales).float()
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        """W (out_features, in_features), computed in float32 as (d s) (q - 32), in dtype (default float32)."""
+        w = self.codes().view(self.out_features, -1, self.group_size).float().sub_(32)
+        w.mul_(self.sub_block_scales()[..., None])
+        return w.view(self.out_features, self.in_features).to(dtype or self.float_dtype)
+
+    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in dtype (default float32), dequantizing the
+        sets of eight rows that hold them only."""
+        sets, within = ids // ROW_SET, ids % ROW_SET
+        codes = unpack_int6(self.weight[sets]).view(len(ids), ROW_SET, -1)[torch.arange(len(ids)), within]
+        scales = rows_of_sets(self.super_scales, ids).repeat_interleave(self.super_group_size // self.group_size, dim=1)
+        scales = scales * rows_of_sets(self.scales, ids).float()
+        w = codes.view(len(ids), -1, self.group_size).float().sub_(32).mul_(scales[..., None])
+        return w.view(len(ids), -1).to(dtype or self.float_dtype)
+
+    def forward(self, x):
+        return quantized_linear(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int6 sub-blocks of {self.group_size}"
+
+
+INTEGER_LAYERS = (Int8Linear, Int4Linear, Int6Linear)
 
 
 def rows_of_sets(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,13 @@
-"""How int8 and int4 weights are laid out, in memory and in a quantized checkpoint alike.
+"""How int8, int4 and int6 weights are laid out, in memory and in a quantized checkpoint alike.
 
 Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/kernels.h) feeds
 eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
-and 8c + 4 + u in its high nibble. The scales (int8's per block of 32 inputs, int4's per group)
+and 8c + 4 + u in its high nibble. int6 (llama.cpp's Q6_K, 6-bit codes): for each set and block
+of 32 inputs, 192 bytes, two runs of 96, one per half of the block (inputs 16h .. 16h + 15): the
+low nibbles of int4's runs 2h and 2h + 1, then their high two bits, byte 4j + u holding those of
+run 2h's inputs u and 4 + u in bits 0-1 and 2-3, and of run 2h + 1's in bits 4-5 and 6-7. The scales (int8's per block of 32 inputs, int4's per group)
 and int4's offsets likewise hold the eight rows of a set side by side. Loading a checkpoint is
 then a plain read.
 
@@ -49,6 +52,27 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     runs = packed.contiguous().view(torch.int32).view(sets, k // BLOCK, 4, ROW_SET).permute(0, 3, 1, 2)  # set, row, block, run
     low, high = runs & 0x0F0F0F0F, (runs >> 4) & 0x0F0F0F0F
     return torch.stack((low, high), dim=-1).view(torch.uint8).view(sets * ROW_SET, k)
+
+
+def pack_int6(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..63 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 6 k)."""
+    n, k = codes.shape
+    low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 2, 64)  # set, block, half, its two runs
+    high = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 2, 2, 2, 4)  # set, row, block, half, run, nibble, u
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[..., None]  # run, nibble
+    bits = (high << shifts).sum((4, 5), dtype=torch.uint8)  # set, row, block, half, u: the bits are disjoint
+    return torch.cat((low, bits.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, k // BLOCK, 2, 32)), -1).view(n // ROW_SET, 6 * k)
+
+
+def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int6's inverse: (n / 8, 6 k) bytes -> codes (n, k)."""
+    sets, k = packed.shape[0], packed.shape[1] // 6
+    runs = packed.view(sets, k // BLOCK, 2, 96)
+    low = unpack_int4(runs[..., :64].reshape(sets, 4 * k))
+    bits = runs[..., 64:].reshape(sets, k // BLOCK, 2, ROW_SET, 1, 1, 4)  # set, block, half, row, run, nibble, u
+    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[..., None]
+    high = ((bits >> shifts) & 3).permute(0, 3, 1, 2, 4, 5, 6).reshape(sets * ROW_SET, k)
+    return low | (high << 4)
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

@@ -14,10 +14,11 @@ from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.names import from_format
 from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
 from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
-from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
+from llama_mini.quant.layers import Int4Linear, Int6Linear, Int8Linear, QuantizedEmbedding
 
-EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear}
-REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K, T.Q6_K)
+EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
+         T.Q6_K: Int6Linear}
+REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K)
 SHAPE = (48, 512)
 
 
@@ -51,11 +52,16 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     if kind == T.Q4_K:  # factored as the file holds them: a 6-bit integer per group, float32 per super-block
         assert layer.super_group_size == 256 and layer.super_scales.dtype == torch.float32
         assert layer.scales.dtype == torch.uint8 and layer.scales.max() < 64 and layer.offsets.max() < 64
+    elif kind == T.Q6_K:  # as the file holds them: an int8 per sub-block of 16, float32 per super-block
+        assert layer.scales.dtype == torch.int8 and layer.super_scales.dtype == torch.float32
+        assert layer.scales.min() == -128 and layer.scales.max() == 127  # random blocks: every factor
     else:  # the file's own 16-bit floats
         assert layer.scales.dtype == torch.float16
     assert expected.abs().amax() > 0 and torch.equal(layer.dequantize(torch.float32), expected)
+    ids = torch.tensor([47, 0, 9, 9, 30])  # looking tokens up dequantizes their rows only, the same values
+    assert torch.equal(layer.rows(ids, torch.float32), expected[ids])
     if kind != T.Q8_0:  # every code the type has is used (Q8_0's range is the quantizer's)
-        assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16}[type(layer)]
+        assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16, Int6Linear: 64}[type(layer)]
 
 
 @pytest.mark.parametrize("kind", REQUANTIZED, ids=lambda kind: kind.name)
@@ -214,6 +220,24 @@ def test_a_tied_head_is_the_embeddings_table_one_copy(tmp_path):
 def test_dtype_or_quantize_still_dequantize(q4_k_m):
     assert load_checkpoint(q4_k_m[0], dtype=torch.bfloat16).output.weight.dtype == torch.bfloat16
     assert load_checkpoint(q4_k_m[0], quantize="int8").quantization["method"] == "int8"
+
+
+def test_loading_draws_no_initial_weights_on_the_meta_device(q4_k_m, tmp_path):
+    """A model is built on the meta device to be loaded into. Drawing its initial weights there
+    sets nothing, and torch's first normal_ on a meta tensor imports its Python decompositions
+    (torch._dynamo among 800-odd modules): about a second and 70 MB of every load, skipped. Fails
+    with the draws made (state_dict.empty_model without its mode)."""
+    import subprocess
+    import sys
+
+    save_checkpoint(Transformer(ARGS), tmp_path / "native")
+    code = ("import sys; from llama_mini import load_checkpoint\n"
+            "for path in sys.argv[1:]: load_checkpoint(path)\n"
+            "print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code, str(q4_k_m[0]), str(tmp_path / "native")], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "False"
 
 
 def test_saving_a_model_held_at_its_files_precision_names_convert(q4_k_m, tmp_path):

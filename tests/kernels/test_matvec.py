@@ -167,6 +167,33 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
     close(got, quantized_activations(x).double() @ w.t(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 70, 130])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_int6_matches_float64_with_each_sub_blocks_factor(ops, dtype, rows, threads):
+    """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63, an int8 factor per sub-block of 16
+    inputs (its extremes -128 and 127 too), float32 per 256; the two halves of each block of
+    activations carry their own sums (a block whose first half is all -127, the other +127)."""
+    from llama_mini.quant.layers import Int6Linear
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 768, generator=g).to(dtype)
+    x[-1, :16], x[-1, 16:32] = -1.0, 1.0
+    codes = torch.randint(0, 64, (88, 768), generator=g, dtype=torch.uint8)
+    codes[3], codes[4] = 63, 0  # the extremes: the largest products must not saturate
+    factors = torch.randint(-128, 128, (88, 48), generator=g, dtype=torch.int8)
+    factors[3, :], factors[4, :] = -128, 127
+    supers = (torch.rand(88, 3, generator=g) * 1e-3).half().float()  # as a file's 16-bit d
+    layer = Int6Linear(768, 88)
+    layer.store_rows(0, codes, factors, supers)
+    w = (codes.double() - 32) * (supers.double().repeat_interleave(16, dim=1) * factors.double()).repeat_interleave(16, dim=1)
+    assert torch.equal(layer.dequantize().double(), w)  # exact in float32
+    got = ops.linear_int6(x, layer.weight, layer.scales, layer.super_scales)
+    close(got, quantized_activations(x).double() @ w.t(), dtype)
+    torch.set_num_threads(1)
+
+
 def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():
     """Row 8p + j's inputs 4c..4c+3 are bytes 4j..4j+3 of run c of set p (int4's layout is
     tests/quant/test_quantize.py's)."""
@@ -183,6 +210,9 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
         ops.linear_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(1, 8))
     with pytest.raises(RuntimeError, match="one per row and block of 32 inputs"):
         ops.linear_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
+        ops.linear_int6(torch.randn(1, 32), torch.zeros(1, 192, dtype=torch.uint8), torch.zeros(1, 16, dtype=torch.int8),
+                        torch.ones(1, 8))
     with pytest.raises(RuntimeError, match="a contiguous 2-D weight"):
         ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
 

@@ -52,6 +52,16 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
                             int64_t k, int64_t group, int scales_type, int y_type, int threads);
 
+// W int6 (llama.cpp's Q6_K): W[i, j] = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs,
+// s an int8 per row and sub-block, d a float32 per row and 256 inputs. n % 8 == 0, k % 256 == 0.
+// For set p and block b of 32 inputs, codes[p, b] is 192 bytes: a run of 96 per half h of the
+// block (inputs 16h .. 16h + 15): int4's runs 2h and 2h + 1 of their low nibbles, then 32 bytes
+// of their high two bits, byte 4j + u holding run 2h's in bits 0-3 (input u's, then 4 + u's) and
+// run 2h + 1's in bits 4-7. scales are (n / 8, k / 16, 8), super_scales (n / 8, k / 256, 8).
+extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
+                            const int8_t* scales, const float* super_scales, void* y, int64_t rows, int64_t n, int64_t k,
+                            int y_type, int threads);
+
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored
 // with v into the caches (batch, kv_heads, positions, head_dim), contiguous within a head,

@@ -1,5 +1,5 @@
 // Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
-// float16 weights, int8 and int4 weights.
+// float16 weights, int8, int4 and int6 weights.
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -415,7 +415,8 @@ inline void prefetch_ahead(const void* at, int64_t bytes, const void* end) {
 
 // int8, a scale per row and block: a run holds inputs 4c .. 4c + 3 of each of the sixteen rows.
 struct Int8Format {
-    static constexpr int RUNS = 8;
+    static constexpr int RUNS = 8, RUN_BYTES = 32;
+    using Sum = Ints16;
     using Run = Int8Run;
     using Inputs = int32_t;  // four activations
     struct Scales {
@@ -426,8 +427,10 @@ struct Int8Format {
     int64_t blocks;
 
     static Ints16 start(int32_t activation_sum) { return int8_block_start(activation_sum); }
-    static Run load(Ints16 w) { return int8_run(w); }
-    static Inputs inputs(const int8_t* x, int c) { return four_bytes(x + 4 * c); }
+    static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {
+        return int8_run(Ints16::load(first, second));
+    }
+    static Inputs inputs(const int8_t* x, int64_t, int64_t, int c) { return four_bytes(x + 4 * c); }
     static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return int8_dot(acc, w, x); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
         return {set_pair_scales(scales, scale_type, first, second, blocks, b)};
@@ -438,7 +441,8 @@ struct Int8Format {
 // int4, a scale and an offset per row and group of `group` inputs: run c holds inputs 8c .. 8c + 3
 // in its low nibbles, 8c + 4 .. 8c + 7 in its high.
 struct Int4Format {
-    static constexpr int RUNS = 4;
+    static constexpr int RUNS = 4, RUN_BYTES = 32;
+    using Sum = Ints16;
     struct Run {
         Codes16 low, high;
     };
@@ -454,12 +458,12 @@ struct Int4Format {
     int64_t groups, per_group;  // blocks per group
 
     static Ints16 start(int32_t) { return Ints16::all(0); }
-    static Run load(Ints16 w) {
+    static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {
         Run run;
-        nibbles(w, run.low, run.high);
+        nibbles(Ints16::load(first, second), run.low, run.high);
         return run;
     }
-    static Inputs inputs(const int8_t* x, int c) { return {four_bytes(x + 8 * c), four_bytes(x + 8 * c + 4)}; }
+    static Inputs inputs(const int8_t* x, int64_t, int64_t, int c) { return {four_bytes(x + 8 * c), four_bytes(x + 8 * c + 4)}; }
     static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return u4_dot(u4_dot(acc, w.low, x.low), w.high, x.high); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
         const int64_t g = b / per_group;
@@ -481,6 +485,68 @@ struct FactoredInt4Format : Int4Format {
         const int64_t g = b / per_group, s = g / groups_per_super;
         return {mul(set_pair_factors(scales, first, second, groups, g), set_pair_scales(super_scales, scale_type, first, second, supers, s)),
                 mul(set_pair_factors(offsets, first, second, groups, g), set_pair_scales(super_offsets, scale_type, first, second, supers, s))};
+    }
+};
+
+// int6 (llama.cpp's Q6_K): w = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs, s an int8
+// per row and sub-block, d a float32 per row and 256 inputs. A run is a sub-block: two runs of
+// int4's low nibbles and their high two bits (kernels.h). Its exact sum, sum q x - 32 sum x, gets
+// its scale d s (exact in float32) at once, and the block's two, x's scale.
+struct Int6Format {
+    static constexpr int RUNS = 2, RUN_BYTES = 96;
+    using Sum = Floats16;
+    struct Run {
+        Codes16 q[4];  // inputs 0..3, 4..7, 8..11, 12..15 of the sub-block
+        Floats16 scale;  // d s
+    };
+    struct Inputs {
+        int32_t x[4];  // four activations each
+        int32_t start;  // -32 times the sub-block's sum of activations
+    };
+    struct Scales {};
+    const int8_t* sub_scales;  // (n / 8, k / 16, 8)
+    const void* super_scales;  // (n / 8, k / 256, 8), float32
+    const int32_t* half_sums;  // (rows, k / 32): the sum of each block's first 16 activations
+    const int32_t* block_sums;  // (rows, k / 32): the activations' sums (Activations::sums)
+    int64_t blocks;
+
+    static Sum start(int32_t) { return Floats16::zero(); }
+    Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
+        Run run;
+        const Ints16 high = Ints16::load(first + 64, second + 64);
+        six_bit_codes<0>(Ints16::load(first, second), high, run.q[0], run.q[1]);
+        six_bit_codes<4>(Ints16::load(first + 32, second + 32), high, run.q[2], run.q[3]);
+        run.scale = mul(set_pair_int8_floats(sub_scales, first_set, second_set, 2 * blocks, 2 * b + c),
+                        set_pair_scales(super_scales, F32, first_set, second_set, blocks / 8, b / 8));
+        return run;
+    }
+    Inputs inputs(const int8_t* block, int64_t row, int64_t b, int c) const {
+        const int8_t* x = block + 16 * c;
+        const int32_t half = half_sums[row * blocks + b], sum = c == 0 ? half : block_sums[row * blocks + b] - half;
+        return {{four_bytes(x), four_bytes(x + 4), four_bytes(x + 8), four_bytes(x + 12)}, -32 * sum};
+    }
+    static Sum dot(Sum acc, const Run& w, const Inputs& x) {
+        Ints16 sub = Ints16::all(x.start);
+        for (int i = 0; i < 4; i++) sub = u4_dot(sub, w.q[i], x.x[i]);
+        return fma(to_float(sub), w.scale, acc);
+    }
+    Scales scales_of(int64_t, int64_t, int64_t) const { return {}; }
+    static Floats16 add(Floats16 acc, Sum sum, const Scales&, float d, int32_t) { return fma(sum, Floats16::all(d), acc); }
+};
+
+// int6 widened for a prompt (widen_int6): each code a byte, and each sub-block's scale d s a
+// float32, so that the tiles of a prompt's rows read them as they are, as int8's do; a run is a
+// sub-block, four runs of 32 bytes (inputs 4i .. 4i + 3 of each row), and scales are
+// (sets, k / 16, 8).
+struct WideInt6Format : Int6Format {
+    static constexpr int RUN_BYTES = 128;
+    const float* wide_scales;
+
+    Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
+        Run run;
+        for (int i = 0; i < 4; i++) run.q[i] = as_codes(Ints16::load(first + 32 * i, second + 32 * i));
+        run.scale = set_pair_scales(wide_scales, F32, first_set, second_set, 2 * blocks, 2 * b + c);
+        return run;
     }
 };
 
@@ -508,7 +574,7 @@ void multiply_out(const void* factors, const void* supers, int type, float* out,
 template <int MR, int NZ, typename F, typename Y>
 void integer_tile(const Activations& a, const F& format, const void* codes, Y* y, int64_t n, int64_t k, int64_t m0,
                   const SetPairs<NZ>& pairs, bool prefetch_next) {
-    constexpr int64_t BLOCK_BYTES = F::RUNS * 32;
+    constexpr int64_t BLOCK_BYTES = F::RUNS * F::RUN_BYTES;
     const int64_t blocks = k / BLOCK, set_bytes = blocks * BLOCK_BYTES;
     const char* w = static_cast<const char*>(codes);
     const char* end = w + n / 8 * set_bytes;
@@ -522,18 +588,19 @@ void integer_tile(const Activations& a, const F& format, const void* codes, Y* y
                 prefetch_ahead(w + pairs.first[z] * set_bytes + at, BLOCK_BYTES, end);
                 prefetch_ahead(w + pairs.second[z] * set_bytes + at, BLOCK_BYTES, end);
             }
-        Ints16 isum[MR][NZ];
+        typename F::Sum isum[MR][NZ];
         for (int r = 0; r < MR; r++) {
-            const Ints16 start = F::start(a.sums[(m0 + r) * blocks + b]);
+            const typename F::Sum start = F::start(a.sums[(m0 + r) * blocks + b]);
             for (int z = 0; z < NZ; z++) isum[r][z] = start;
         }
         for (int c = 0; c < F::RUNS; c++) {
             typename F::Run run[NZ];
+            const int64_t run_at = at + F::RUN_BYTES * c;
             for (int z = 0; z < NZ; z++)
-                run[z] = F::load(Ints16::load(w + pairs.first[z] * set_bytes + at + 32 * c,
-                                              w + pairs.second[z] * set_bytes + at + 32 * c));
+                run[z] = format.load(w + pairs.first[z] * set_bytes + run_at, w + pairs.second[z] * set_bytes + run_at,
+                                     pairs.first[z], pairs.second[z], b, c);
             for (int r = 0; r < MR; r++) {
-                const typename F::Inputs x = F::inputs(a.codes + (m0 + r) * k + b * BLOCK, c);
+                const typename F::Inputs x = format.inputs(a.codes + (m0 + r) * k + b * BLOCK, m0 + r, b, c);
                 for (int z = 0; z < NZ; z++) isum[r][z] = F::dot(isum[r][z], run[z], x);
             }
         }
@@ -677,6 +744,75 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
     }
 }
 
+// Sets [from, from + count) of int6 weights widened into `codes` and `scales` (WideInt6Format's),
+// two at a time as Int6Format reads them.
+void widen_int6(const Int6Format& format, const uint8_t* int6, int64_t from, int64_t count, int64_t k, uint8_t* codes,
+                float* scales) {
+    const int64_t blocks = k / BLOCK, set_bytes = blocks * 192;
+    for (int64_t p = 0; p < count; p += 2) {
+        const int64_t first = from + p, second = std::min(first + 1, from + count - 1);
+        for (int64_t b = 0; b < blocks; b++)
+            for (int h = 0; h < 2; h++) {
+                const char* at = reinterpret_cast<const char*>(int6) + b * 192 + 96 * h;
+                const Int6Format::Run run = format.load(at + first * set_bytes, at + second * set_bytes, first, second, b, h);
+                alignas(64) uint8_t bytes[64];
+                for (int i = 0; i < 4; i++) {
+                    store_codes(bytes, run.q[i]);
+                    for (int64_t set = p; set < std::min(p + 2, count); set++)
+                        std::memcpy(codes + set * blocks * 256 + b * 256 + 128 * h + 32 * i, bytes + 32 * (set - p), 32);
+                }
+                float* to = scales + (p * 2 * blocks + 2 * b + h) * 8;
+                store8(to, run.scale.low());
+                if (p + 1 < count) store8(to + 2 * blocks * 8, run.scale.high());
+            }
+    }
+}
+
+// A prompt's int6 product: each thread widens its sets a few at a time (about WIDE_BYTES, which
+// stay in cache), and every row's tiles read them as int8's read theirs: the unpacking and the
+// scales' products are done once per call, not once per tile of rows.
+constexpr int64_t WIDE_BYTES = 1 << 19;
+
+template <typename Y>
+void int6_prompt(const Activations& a, const Int6Format& format, const uint8_t* int6, Y* y, int64_t rows, int64_t n, int64_t k,
+                 int threads) {
+    const int64_t count = std::max<int64_t>(2 * INT_NZ, WIDE_BYTES / (10 * k) / 2 * 2);  // sets: 8 bytes and 0.25 floats a code
+    for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
+        thread_local std::vector<uint8_t> codes;
+        thread_local std::vector<float> scales;
+        codes.resize(count * 8 * k), scales.resize(count * k / 2);
+        for (int64_t from = begin; from < end; from += count) {
+            const int64_t sets = std::min(count, end - from);
+            widen_int6(format, int6, from, sets, k, codes.data(), scales.data());
+            const WideInt6Format wide{format, scales.data()};
+            in_streams<INT_NZ>(rows, 0, sets, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool) {
+                integer_tile<R, NZ>(a, wide, codes.data(), y + 8 * from, n, k, m, pairs, false);
+            });
+        }
+    }, 2 * INT_NZ);
+}
+
+extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
+                            const int8_t* scales, const float* super_scales, void* y, int64_t rows, int64_t n, int64_t k,
+                            int y_type, int threads) {
+    thread_local std::vector<int32_t> half_sums;
+    const int64_t blocks = k / BLOCK;
+    half_sums.resize(rows * blocks);
+    for (int64_t i = 0; i < rows * blocks; i++) {
+        int32_t sum = 0;
+        for (int j = 0; j < 16; j++) sum += xq[i * BLOCK + j];
+        half_sums[i] = sum;
+    }
+    const Int6Format format{scales, super_scales, half_sums.data(), xsum, blocks};
+    if (rows < FACTORED_ROWS) {
+        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_type, threads);
+        return;
+    }
+    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
+        int6_prompt({xq, xd, xsum}, format, codes, static_cast<Y*>(y), rows, n, k, threads);
+    });
+}
+
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.
 
 extern "C" int vector_kernels_available() { return 0; }
@@ -687,5 +823,7 @@ extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const i
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
                             const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
+extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const float*, void*,
+                            int64_t, int64_t, int64_t, int, int) {}
 
 #endif
