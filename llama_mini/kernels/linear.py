@@ -1,4 +1,4 @@
-"""Linear layers on the CPU kernels: nn.Linear, Int8Linear, Int4Linear and Int6Linear, for prompts and decoding.
+"""Linear layers on the CPU kernels: nn.Linear and the integer layers, for prompts and decoding.
 
 Decoding a token multiplies each weight matrix by one activation row, so on a CPU tokens/s is
 bounded by memory bandwidth / weight bytes; reading a prompt multiplies them by hundreds of
@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..quant.layers import Int4Linear, Int6Linear, Int8Linear
+from ..quant.layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear
 from ..support.memory import release_file_pages
 from .operators import FLOATS, PANEL, operators, to_panels
 
@@ -127,6 +127,17 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
         return ops.linear_int4(x, self.weight, self.scales, self.offsets)
 
 
+class KernelInt5Linear(IntegerKernel, Int5Linear):
+    """Int5Linear on the integer kernel."""
+
+    layer = "int5 kernel"
+    computes = DEFINITION + tuple(f"quant.layers:Int5Linear.{name}" for name in ("forward", "dequantize", "codes",
+                                                                                  "group_scales_and_offsets"))
+
+    def kernel(self, ops, x):
+        return ops.linear_int5(x, self.weight, self.scales, self.offsets, self.super_scales, self.super_offsets)
+
+
 class KernelInt6Linear(IntegerKernel, Int6Linear):
     """Int6Linear on the integer kernel."""
 
@@ -139,7 +150,7 @@ class KernelInt6Linear(IntegerKernel, Int6Linear):
 
 # The kernel class each linear layer's class becomes under use_cpu_kernels.
 LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear,
-                  Int6Linear: KernelInt6Linear}
+                  Int5Linear: KernelInt5Linear, Int6Linear: KernelInt6Linear}
 
 
 def kernel_operands(linear):
@@ -151,6 +162,8 @@ def kernel_operands(linear):
     elif isinstance(linear, Int4Linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
         operands = (linear.weight, linear.scales, linear.offsets, *supers) if linear.rows_of_8 else None
+    elif isinstance(linear, Int5Linear):
+        operands = (linear.weight, linear.scales, linear.offsets, linear.super_scales, linear.super_offsets)
     elif isinstance(linear, Int6Linear):
         operands = (linear.weight, linear.scales, None, linear.super_scales, None)
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:

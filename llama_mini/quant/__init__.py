@@ -20,7 +20,7 @@ from torch import nn
 
 from ..support.device import fastest_time
 from ..support.memory import return_freed_memory
-from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, INTEGER_LAYERS, Int4Linear, Int6Linear, Int8Linear
+from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, INTEGER_LAYERS, Int4Linear, Int5Linear, Int6Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
 
@@ -142,8 +142,9 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def layer_method(layer: nn.Module) -> str:
-    """"int8", "int4" or "int6": what an integer layer holds."""
-    return "int8" if isinstance(layer, Int8Linear) else "int4" if isinstance(layer, Int4Linear) else "int6"
+    """"int8", "int4", "int5" or "int6": what an integer layer holds."""
+    return next(name for name, kind in (("int8", Int8Linear), ("int4", Int4Linear), ("int5", Int5Linear), ("int6", Int6Linear))
+                if isinstance(layer, kind))
 
 
 def check_method(method: str) -> None:

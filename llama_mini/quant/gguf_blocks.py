@@ -11,12 +11,14 @@ own code, dequantizes them), value for value:
   and the layer holds d and -dmin per super-block of 256 (float32) and sc and m per group
   (uint8): 4.75 bits a weight for Q4_K's 4.5. d sc and dmin m, a 16-bit float times a 6-bit
   integer, are exact in float32, and so is q (d sc), four bits more.
+- Q5_K -> int5, as the file holds it: Q4_K's form (and factors) with a fifth bit: 5.75 bits a
+  weight for Q5_K's 5.5.
 - Q6_K -> int6, as the file holds it: w = (d sc) (q - 32), 6-bit codes in sub-blocks of 16 with
   an int8 sc each, d per super-block of 256 (float32): 6.63 bits a weight for Q6_K's 6.56.
 Q8_0's, Q5_0's, Q4_0's and Q4_1's scales and offsets are the file's 16-bit floats, held as they
 are (Q4_0's offset -8 d too, exact in float16 but where it overflows: such a file is refused).
 
-The other types (Q5_1, Q2_K, Q3_K, Q5_K) are dequantized by gguf.quants and rounded to
+The other types (Q5_1, Q2_K, Q3_K) are dequantized by gguf.quants and rounded to
 int8 in blocks of 32, the layer that adds the least error: at most half a step, about a block's
 absmax / 254, to the file's weights (docs/gguf.md has the error measured for each type). Their
 scales are bfloat16: 8.5 bits a weight, where a float32 scale would make 9; the codes are
@@ -28,18 +30,18 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from .layers import Int4Linear, Int6Linear, Int8Linear, quantize_int8, row_chunks
+from .layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear, quantize_int8, row_chunks
 from .layout import ROW_SET
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
-EXACT_INT6 = (T.Q6_K,)
-REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K)  # to int8
-TYPES = EXACT_INT8 + EXACT_INT4 + EXACT_INT6 + REQUANTIZED
+EXACT_K = (T.Q5_K, T.Q6_K)  # to int5 and int6
+REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K)  # to int8
+TYPES = EXACT_INT8 + EXACT_INT4 + EXACT_K + REQUANTIZED
 
 
 def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
-    """The int8, int4 or int6 layer of a GGUF matrix (out, in) of type kind, from its blocks: uint8
+    """The integer layer of a GGUF matrix (out, in) of type kind, from its blocks: uint8
     (out, bytes per row), a view of the mapped file. Rows are converted a chunk at a time."""
     out_features, in_features = shape
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
@@ -48,11 +50,12 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
         else:
             layer = Int4Linear(in_features, out_features, 32, torch.float16)
         convert = _INT4[kind]
-    elif kind in EXACT_INT6 and out_features % ROW_SET == 0:
-        layer, convert = Int6Linear(in_features, out_features), _q6_k
+    elif kind in EXACT_K and out_features % ROW_SET == 0:
+        layer = (Int5Linear if kind == T.Q5_K else Int6Linear)(in_features, out_features)
+        convert = _q5_k if kind == T.Q5_K else _q6_k
     elif kind in EXACT_INT8:
         layer, convert = Int8Linear(in_features, out_features, torch.float16), _INT8[kind]
-    else:  # int4 and int6 need sets of eight rows: a matrix without them takes int8, as the other types do
+    else:  # int4, int5 and int6 need sets of eight rows: a matrix without them takes int8, as the other types do
         layer, convert = Int8Linear(in_features, out_features, torch.bfloat16), _requantized(kind)
     for rows in row_chunks(out_features, in_features):
         layer.store_rows(rows.start, *convert(torch.from_numpy(np.ascontiguousarray(blocks[rows])), in_features))
@@ -67,7 +70,9 @@ def held_bytes(kind: T, shape) -> int:
         return n // 2 + 2 * blocks + 2 * 4 * (n // 256)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         return n // 2 + 2 * 2 * blocks
-    if kind in EXACT_INT6 and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, float32 per 256
+    if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float32 per 256
+        return 5 * n // 8 + 2 * blocks + 2 * 4 * (n // 256)
+    if kind == T.Q6_K and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, float32 per 256
         return 6 * n // 8 + n // 16 + 4 * (n // 256)  # codes two a byte, a float16 scale and offset per group of 32
     return n + 2 * blocks  # int8: a float16 or bfloat16 scale per block of 32
 
@@ -125,6 +130,18 @@ def _q4_k(rows, k):
     sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
     codes = _nibbles(b[..., 16:].reshape(n, supers, 4, 32)).reshape(n, k)
     return codes, sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
+
+
+def _q5_k(rows, k):
+    """Q5_K: super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-block scales and mins (unpacked
+    by gguf's own code), 32 bytes of fifth bits (byte j: input 32i + j's in bit i) and Q4_K's 128
+    bytes of low nibbles. -> codes, sc, m, d and -dmin."""
+    b = _blocks(rows, T.Q5_K)
+    n, supers = len(rows), b.shape[1]
+    sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
+    low = _nibbles(b[..., 48:].reshape(n, supers, 4, 32)).reshape(n, supers, 8, 32)
+    fifth = (b[..., 16:48].reshape(n, supers, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    return (low | (fifth << 4)).reshape(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
 
 
 def _q6_k(rows, k):

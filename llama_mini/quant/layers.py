@@ -1,4 +1,4 @@
-"""int8, int4 and int6 linear layers: the function each computes, in plain torch.
+"""int8, int4, int5 and int6 linear layers: the function each computes, in plain torch.
 
 Decoding one token reads every weight once, so on a CPU tokens/s is bounded by memory
 bandwidth / weight bytes: fewer bytes per weight is the speed-up. Both layers compute
@@ -24,8 +24,9 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float32 factor per super-group of inputs
   times a uint8 per group, 4.75 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
-- int6: llama.cpp's Q6_K as its files hold it, w = d s (q - 32) (Int6Linear): a GGUF file's Q6_K
-  matrices are carried into it (gguf_blocks.py); --quantize makes int8 and int4 only.
+- int5 and int6: llama.cpp's Q5_K and Q6_K as its files hold them, int4's factored form with a
+  fifth bit (Int5Linear) and w = d s (q - 32) (Int6Linear): a GGUF file's Q5_K and Q6_K matrices
+  are carried into them (gguf_blocks.py); --quantize makes int8 and int4 only.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -39,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int6, pack_int8,
-                     unpack_int4, unpack_int4_rows, unpack_int6, unpack_int8)
+from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int5, pack_int6,
+                     pack_int8, unpack_int4, unpack_int4_rows, unpack_int5, unpack_int6, unpack_int8)
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -331,6 +332,69 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
 
 
+class Int5Linear(nn.Module):
+    """y = quantized_activations(x) W^T with W = q (d sc) - dmin m: 5-bit codes q (0..31) in groups
+    of 32 inputs, each with uint8 factors sc and m, and float32 d and -dmin per row and 256 inputs.
+    It is llama.cpp's Q5_K as the file holds it (5.5 bits a weight; here 5.75): Int4Linear's
+    factored form with a fifth bit, exact in float32 as Q4_K's is. Rows in sets of eight
+    (layout.py's int5)."""
+
+    group_size, super_group_size, rows_of_8 = 32, 256, True
+    float_dtype = torch.float32
+
+    def __init__(self, in_features: int, out_features: int, device=None):
+        super().__init__()
+        if in_features % self.super_group_size or out_features % ROW_SET:
+            raise ValueError(f"int5 needs inputs in multiples of {self.super_group_size} and outputs in multiples of "
+                             f"{ROW_SET}, not {in_features} -> {out_features}")
+        self.in_features, self.out_features = in_features, out_features
+        sets, groups, supers = out_features // ROW_SET, in_features // self.group_size, in_features // self.super_group_size
+        self.register_buffer("weight", torch.empty(sets, 5 * in_features, dtype=torch.uint8, device=device))
+        for name, shape, dtype in (("scales", groups, torch.uint8), ("offsets", groups, torch.uint8),
+                                   ("super_scales", supers, torch.float32), ("super_offsets", supers, torch.float32)):
+            self.register_buffer(name, torch.empty(sets, shape * ROW_SET, dtype=dtype, device=device))
+
+    def store_rows(self, start: int, codes, scales, offsets, super_scales, super_offsets) -> None:
+        """Rows start .. start + len(codes) (multiples of eight) of codes 0..31 as uint8 (rows, in),
+        uint8 factors (rows, in / 32) and float32 d and -dmin (rows, in / 256)."""
+        sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
+        self.weight[sets] = pack_int5(codes)
+        for name, t in (("scales", scales), ("offsets", offsets), ("super_scales", super_scales), ("super_offsets", super_offsets)):
+            getattr(self, name)[sets] = interleave_rows(t)
+
+    def codes(self) -> torch.Tensor:
+        """The codes 0..31 as uint8 (out_features, in_features)."""
+        return unpack_int5(self.weight)
+
+    def group_scales_and_offsets(self, ids=None):
+        """(d sc, -dmin m), each (out_features, groups) in float32; of rows ids only, where given."""
+        rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
+        per = self.super_group_size // self.group_size
+        return tuple(rows(supers).repeat_interleave(per, dim=1) * rows(factors).float()
+                     for supers, factors in ((self.super_scales, self.scales), (self.super_offsets, self.offsets)))
+
+    def dequantize(self, dtype=None) -> torch.Tensor:
+        """W (out_features, in_features), computed in float32 as q (d sc) + (-dmin m), in dtype (default float32)."""
+        scales, offsets = self.group_scales_and_offsets()
+        w = self.codes().view(self.out_features, -1, self.group_size).float()
+        w.mul_(scales[..., None]).add_(offsets[..., None])
+        return w.view(self.out_features, self.in_features).to(dtype or self.float_dtype)
+
+    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Rows ids of W, (len(ids), in_features) in dtype (default float32), dequantizing the
+        sets of eight rows that hold them only."""
+        codes = unpack_int5(self.weight[ids // ROW_SET]).view(len(ids), ROW_SET, -1)[torch.arange(len(ids)), ids % ROW_SET]
+        scales, offsets = self.group_scales_and_offsets(ids)
+        w = codes.view(len(ids), -1, self.group_size).float().mul_(scales[..., None]).add_(offsets[..., None])
+        return w.view(len(ids), -1).to(dtype or self.float_dtype)
+
+    def forward(self, x):
+        return quantized_linear(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int5 groups of {self.group_size}"
+
+
 class Int6Linear(nn.Module):
     """y = quantized_activations(x) W^T with W = d s (q - 32): 6-bit codes q (0..63) in
     sub-blocks of 16 inputs, each with an int8 factor s, and a float32 d per row and 256 inputs.
@@ -392,7 +456,7 @@ class Int6Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int6 sub-blocks of {self.group_size}"
 
 
-INTEGER_LAYERS = (Int8Linear, Int4Linear, Int6Linear)
+INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Int6Linear)
 
 
 def rows_of_sets(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,9 @@ bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u 
 and 8c + 4 + u in its high nibble. int6 (llama.cpp's Q6_K, 6-bit codes): for each set and block
 of 32 inputs, 192 bytes, two runs of 96, one per half of the block (inputs 16h .. 16h + 15): the
 low nibbles of int4's runs 2h and 2h + 1, then their high two bits, byte 4j + u holding those of
-run 2h's inputs u and 4 + u in bits 0-1 and 2-3, and of run 2h + 1's in bits 4-5 and 6-7. The scales (int8's per block of 32 inputs, int4's per group)
+run 2h's inputs u and 4 + u in bits 0-1 and 2-3, and of run 2h + 1's in bits 4-5 and 6-7. int5
+(llama.cpp's Q5_K): for each set and block, int4's 128 bytes of low nibbles, then 32 bytes of
+fifth bits, byte 4j + u holding those of run c's inputs u and 4 + u in bits 2c and 2c + 1. The scales (int8's per block of 32 inputs, int4's per group)
 and int4's offsets likewise hold the eight rows of a set side by side. Loading a checkpoint is
 then a plain read.
 
@@ -52,6 +54,28 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     runs = packed.contiguous().view(torch.int32).view(sets, k // BLOCK, 4, ROW_SET).permute(0, 3, 1, 2)  # set, row, block, run
     low, high = runs & 0x0F0F0F0F, (runs >> 4) & 0x0F0F0F0F
     return torch.stack((low, high), dim=-1).view(torch.uint8).view(sets * ROW_SET, k)
+
+
+def pack_int5(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..31 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 5 k)."""
+    n, k = codes.shape
+    low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 128)
+    fifth = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, nibble, u
+    bits = (fifth << _FIFTH_BIT_SHIFTS).sum((3, 4), dtype=torch.uint8)  # set, row, block, u: the bits are disjoint
+    return torch.cat((low, bits.permute(0, 2, 1, 3).reshape(n // ROW_SET, k // BLOCK, 32)), -1).view(n // ROW_SET, 5 * k)
+
+
+def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int5's inverse: (n / 8, 5 k) bytes -> codes (n, k)."""
+    sets, k = packed.shape[0], packed.shape[1] // 5
+    blocks = packed.view(sets, k // BLOCK, 160)
+    low = unpack_int4(blocks[..., :128].reshape(sets, 4 * k))
+    bits = blocks[..., 128:].reshape(sets, k // BLOCK, ROW_SET, 1, 1, 4)  # set, block, row, run, nibble, u
+    fifth = ((bits >> _FIFTH_BIT_SHIFTS) & 1).permute(0, 2, 1, 3, 4, 5).reshape(sets * ROW_SET, k)
+    return low | (fifth << 4)
+
+
+_FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # run, nibble, (u): bit 2 run + nibble
 
 
 def pack_int6(codes: torch.Tensor) -> torch.Tensor:

@@ -14,11 +14,11 @@ from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.names import from_format
 from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
 from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
-from llama_mini.quant.layers import Int4Linear, Int6Linear, Int8Linear, QuantizedEmbedding
+from llama_mini.quant.layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear, QuantizedEmbedding
 
 EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
-         T.Q6_K: Int6Linear}
-REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K, T.Q5_K)
+         T.Q5_K: Int5Linear, T.Q6_K: Int6Linear}
+REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K)
 SHAPE = (48, 512)
 
 
@@ -49,7 +49,7 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     layer = layer_from_blocks(kind, blocks, SHAPE)
     expected = files_weights(kind, blocks, SHAPE)
     assert type(layer) is EXACT[kind]
-    if kind == T.Q4_K:  # factored as the file holds them: a 6-bit integer per group, float32 per super-block
+    if kind in (T.Q4_K, T.Q5_K):  # factored as the file holds them: a 6-bit integer per group, float32 per super-block
         assert layer.super_group_size == 256 and layer.super_scales.dtype == torch.float32
         assert layer.scales.dtype == torch.uint8 and layer.scales.max() < 64 and layer.offsets.max() < 64
     elif kind == T.Q6_K:  # as the file holds them: an int8 per sub-block of 16, float32 per super-block
@@ -61,7 +61,7 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     ids = torch.tensor([47, 0, 9, 9, 30])  # looking tokens up dequantizes their rows only, the same values
     assert torch.equal(layer.rows(ids, torch.float32), expected[ids])
     if kind != T.Q8_0:  # every code the type has is used (Q8_0's range is the quantizer's)
-        assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16, Int6Linear: 64}[type(layer)]
+        assert len(torch.unique(layer.codes())) == {Int8Linear: 32, Int4Linear: 16, Int5Linear: 32, Int6Linear: 64}[type(layer)]
 
 
 @pytest.mark.parametrize("kind", REQUANTIZED, ids=lambda kind: kind.name)

@@ -167,29 +167,55 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
     close(got, quantized_activations(x).double() @ w.t(), dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 70, 130])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_int6_matches_float64_with_each_sub_blocks_factor(ops, dtype, rows, threads):
-    """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63, an int8 factor per sub-block of 16
-    inputs (its extremes -128 and 127 too), float32 per 256; the two halves of each block of
-    activations carry their own sums (a block whose first half is all -127, the other +127)."""
+def int5_layer(n, k, g):
+    """llama.cpp's Q5_K as Int5Linear holds it: codes 0..31 (all 0 and all 31 in two rows), uint8
+    factors per group of 32 (the largest, 255, too), float32 d and -dmin per 256."""
+    from llama_mini.quant.layers import Int5Linear
+
+    codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
+    codes[3], codes[4] = 31, 0
+    factors = torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8)
+    factors[0, 3] = 255
+    supers = (torch.rand(2, n, k // 256, generator=g) * 1e-3 * torch.tensor([1.0, -1.0])[:, None, None]).half().float()
+    layer = Int5Linear(k, n)
+    layer.store_rows(0, codes, *factors, *supers)
+    scales, offsets = (s.double().repeat_interleave(8, dim=1) * f.double() for s, f in zip(supers, factors))
+    return layer, (codes.double().unflatten(-1, (-1, 32)) * scales[..., None] + offsets[..., None]).flatten(-2)
+
+
+def int6_layer(n, k, g):
+    """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63 (all 63 and all 0 in two rows), an
+    int8 factor per sub-block of 16 inputs (its extremes -128 and 127 too), float32 per 256."""
     from llama_mini.quant.layers import Int6Linear
 
+    codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
+    codes[3], codes[4] = 63, 0
+    factors = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
+    factors[3, :], factors[4, :] = -128, 127
+    supers = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()  # as a file's 16-bit d
+    layer = Int6Linear(k, n)
+    layer.store_rows(0, codes, factors, supers)
+    return layer, (codes.double() - 32) * (supers.double().repeat_interleave(16, dim=1) * factors.double()).repeat_interleave(16, dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 70, 130])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("make", [int5_layer, int6_layer], ids=["int5", "int6"])
+def test_int5_and_int6_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
+    """A decoding step reads the codes as held; from 16 rows a prompt widens them once per call
+    (csrc/linear.cpp). The dequantized weights are exact in float32. Outputs of 88 rows: sets of
+    eight in threads' bands and tiles, with one left over; the last row of x has a block whose
+    first half is all -127 and its second +127 (int6's sub-blocks carry their own sums)."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=g).to(dtype)
     x[-1, :16], x[-1, 16:32] = -1.0, 1.0
-    codes = torch.randint(0, 64, (88, 768), generator=g, dtype=torch.uint8)
-    codes[3], codes[4] = 63, 0  # the extremes: the largest products must not saturate
-    factors = torch.randint(-128, 128, (88, 48), generator=g, dtype=torch.int8)
-    factors[3, :], factors[4, :] = -128, 127
-    supers = (torch.rand(88, 3, generator=g) * 1e-3).half().float()  # as a file's 16-bit d
-    layer = Int6Linear(768, 88)
-    layer.store_rows(0, codes, factors, supers)
-    w = (codes.double() - 32) * (supers.double().repeat_interleave(16, dim=1) * factors.double()).repeat_interleave(16, dim=1)
-    assert torch.equal(layer.dequantize().double(), w)  # exact in float32
-    got = ops.linear_int6(x, layer.weight, layer.scales, layer.super_scales)
+    layer, w = make(88, 768, g)
+    assert torch.equal(layer.dequantize(), w.float())  # one float32 rounding of the exact weight, as gguf's
+    operands = [t for t in (layer.weight, layer.scales, getattr(layer, "offsets", None), layer.super_scales,
+                            getattr(layer, "super_offsets", None)) if t is not None]
+    got = getattr(ops, f"linear_{make.__name__[:4]}")(x, *operands)
     close(got, quantized_activations(x).double() @ w.t(), dtype)
     torch.set_num_threads(1)
 
@@ -210,6 +236,9 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
         ops.linear_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(1, 8))
     with pytest.raises(RuntimeError, match="one per row and block of 32 inputs"):
         ops.linear_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
+        ops.linear_int5(torch.randn(1, 32), torch.zeros(1, 160, dtype=torch.uint8), *torch.zeros(2, 1, 8, dtype=torch.uint8),
+                        *torch.ones(2, 1, 8))
     with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
         ops.linear_int6(torch.randn(1, 32), torch.zeros(1, 192, dtype=torch.uint8), torch.zeros(1, 16, dtype=torch.int8),
                         torch.ones(1, 8))

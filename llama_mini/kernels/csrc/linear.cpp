@@ -1,5 +1,5 @@
 // Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
-// float16 weights, int8, int4 and int6 weights.
+// float16 weights, int8, int4, int5 and int6 weights.
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -415,7 +415,7 @@ inline void prefetch_ahead(const void* at, int64_t bytes, const void* end) {
 
 // int8, a scale per row and block: a run holds inputs 4c .. 4c + 3 of each of the sixteen rows.
 struct Int8Format {
-    static constexpr int RUNS = 8, RUN_BYTES = 32;
+    static constexpr int RUNS = 8, RUN_BYTES = 32, BLOCK_BYTES = 256;
     using Sum = Ints16;
     using Run = Int8Run;
     using Inputs = int32_t;  // four activations
@@ -441,7 +441,7 @@ struct Int8Format {
 // int4, a scale and an offset per row and group of `group` inputs: run c holds inputs 8c .. 8c + 3
 // in its low nibbles, 8c + 4 .. 8c + 7 in its high.
 struct Int4Format {
-    static constexpr int RUNS = 4, RUN_BYTES = 32;
+    static constexpr int RUNS = 4, RUN_BYTES = 32, BLOCK_BYTES = 128;
     using Sum = Ints16;
     struct Run {
         Codes16 low, high;
@@ -488,12 +488,24 @@ struct FactoredInt4Format : Int4Format {
     }
 };
 
+// int5 (llama.cpp's Q5_K): int4's format (F, factored or multiplied out) with a fifth bit per code,
+// from 32 bytes after each block's four runs (kernels.h).
+template <typename F> struct FifthBit : F {
+    static constexpr int BLOCK_BYTES = 160;
+
+    typename F::Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
+        typename F::Run run = F::load(first, second, first_set, second_set, b, c);
+        fifth_bits(Ints16::load(first + 32 * (4 - c), second + 32 * (4 - c)), c, run.low, run.high);
+        return run;
+    }
+};
+
 // int6 (llama.cpp's Q6_K): w = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs, s an int8
 // per row and sub-block, d a float32 per row and 256 inputs. A run is a sub-block: two runs of
 // int4's low nibbles and their high two bits (kernels.h). Its exact sum, sum q x - 32 sum x, gets
 // its scale d s (exact in float32) at once, and the block's two, x's scale.
 struct Int6Format {
-    static constexpr int RUNS = 2, RUN_BYTES = 96;
+    static constexpr int RUNS = 2, RUN_BYTES = 96, BLOCK_BYTES = 192;
     using Sum = Floats16;
     struct Run {
         Codes16 q[4];  // inputs 0..3, 4..7, 8..11, 12..15 of the sub-block
@@ -539,7 +551,7 @@ struct Int6Format {
 // sub-block, four runs of 32 bytes (inputs 4i .. 4i + 3 of each row), and scales are
 // (sets, k / 16, 8).
 struct WideInt6Format : Int6Format {
-    static constexpr int RUN_BYTES = 128;
+    static constexpr int RUN_BYTES = 128, BLOCK_BYTES = 256;
     const float* wide_scales;
 
     Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
@@ -547,6 +559,16 @@ struct WideInt6Format : Int6Format {
         for (int i = 0; i < 4; i++) run.q[i] = as_codes(Ints16::load(first + 32 * i, second + 32 * i));
         run.scale = set_pair_scales(wide_scales, F32, first_set, second_set, 2 * blocks, 2 * b + c);
         return run;
+    }
+};
+
+// int5 widened for a prompt (widen_int5): each code a byte, run c's inputs 8c + u, then its
+// 8c + 4 + u, and each group's scale and offset multiplied out in float32: int4's format, read as held.
+struct WideInt5Format : Int4Format {
+    static constexpr int RUN_BYTES = 64, BLOCK_BYTES = 256;
+
+    static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {
+        return {as_codes(Ints16::load(first, second)), as_codes(Ints16::load(first + 32, second + 32))};
     }
 };
 
@@ -574,7 +596,7 @@ void multiply_out(const void* factors, const void* supers, int type, float* out,
 template <int MR, int NZ, typename F, typename Y>
 void integer_tile(const Activations& a, const F& format, const void* codes, Y* y, int64_t n, int64_t k, int64_t m0,
                   const SetPairs<NZ>& pairs, bool prefetch_next) {
-    constexpr int64_t BLOCK_BYTES = F::RUNS * F::RUN_BYTES;
+    constexpr int64_t BLOCK_BYTES = F::BLOCK_BYTES;
     const int64_t blocks = k / BLOCK, set_bytes = blocks * BLOCK_BYTES;
     const char* w = static_cast<const char*>(codes);
     const char* end = w + n / 8 * set_bytes;
@@ -744,23 +766,27 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
     }
 }
 
+// Writes one run of two sets' codes (Codes16) as bytes: the first set's 32 to `to`, the second's
+// (unless it is the first again) to `to + set_bytes`.
+inline void store_pair(uint8_t* to, int64_t set_bytes, bool second, Codes16 codes) {
+    alignas(64) uint8_t bytes[64];
+    store_codes(bytes, codes);
+    std::memcpy(to, bytes, 32);
+    if (second) std::memcpy(to + set_bytes, bytes + 32, 32);
+}
+
 // Sets [from, from + count) of int6 weights widened into `codes` and `scales` (WideInt6Format's),
 // two at a time as Int6Format reads them.
 void widen_int6(const Int6Format& format, const uint8_t* int6, int64_t from, int64_t count, int64_t k, uint8_t* codes,
                 float* scales) {
-    const int64_t blocks = k / BLOCK, set_bytes = blocks * 192;
+    const int64_t blocks = k / BLOCK, set_bytes = blocks * Int6Format::BLOCK_BYTES, wide_bytes = blocks * 256;
     for (int64_t p = 0; p < count; p += 2) {
         const int64_t first = from + p, second = std::min(first + 1, from + count - 1);
         for (int64_t b = 0; b < blocks; b++)
             for (int h = 0; h < 2; h++) {
-                const char* at = reinterpret_cast<const char*>(int6) + b * 192 + 96 * h;
+                const char* at = reinterpret_cast<const char*>(int6) + b * Int6Format::BLOCK_BYTES + Int6Format::RUN_BYTES * h;
                 const Int6Format::Run run = format.load(at + first * set_bytes, at + second * set_bytes, first, second, b, h);
-                alignas(64) uint8_t bytes[64];
-                for (int i = 0; i < 4; i++) {
-                    store_codes(bytes, run.q[i]);
-                    for (int64_t set = p; set < std::min(p + 2, count); set++)
-                        std::memcpy(codes + set * blocks * 256 + b * 256 + 128 * h + 32 * i, bytes + 32 * (set - p), 32);
-                }
+                for (int i = 0; i < 4; i++) store_pair(codes + p * wide_bytes + b * 256 + 128 * h + 32 * i, wide_bytes, p + 1 < count, run.q[i]);
                 float* to = scales + (p * 2 * blocks + 2 * b + h) * 8;
                 store8(to, run.scale.low());
                 if (p + 1 < count) store8(to + 2 * blocks * 8, run.scale.high());
@@ -768,28 +794,73 @@ void widen_int6(const Int6Format& format, const uint8_t* int6, int64_t from, int
     }
 }
 
-// A prompt's int6 product: each thread widens its sets a few at a time (about WIDE_BYTES, which
-// stay in cache), and every row's tiles read them as int8's read theirs: the unpacking and the
-// scales' products are done once per call, not once per tile of rows.
+// Sets [from, from + count) of int5 weights widened into `codes` and `floats` (WideInt5Format's:
+// each set's scales, then its offsets).
+void widen_int5(const FifthBit<FactoredInt4Format>& format, const uint8_t* int5, int64_t from, int64_t count, int64_t k,
+                uint8_t* codes, float* floats) {
+    const int64_t blocks = k / BLOCK, set_bytes = blocks * 160, wide_bytes = blocks * 256;
+    for (int64_t p = 0; p < count; p += 2) {
+        const int64_t first = from + p, second = std::min(first + 1, from + count - 1);
+        for (int64_t b = 0; b < blocks; b++) {
+            for (int c = 0; c < 4; c++) {
+                const char* at = reinterpret_cast<const char*>(int5) + b * 160 + 32 * c;
+                const Int4Format::Run run = format.load(at + first * set_bytes, at + second * set_bytes, first, second, b, c);
+                store_pair(codes + p * wide_bytes + b * 256 + 64 * c, wide_bytes, p + 1 < count, run.low);
+                store_pair(codes + p * wide_bytes + b * 256 + 64 * c + 32, wide_bytes, p + 1 < count, run.high);
+            }
+            const Int4Format::Scales s = format.scales_of(first, second, b);
+            for (const auto& [at, v] : {std::pair{b, s.s}, std::pair{blocks + b, s.offsets}}) {
+                store8(floats + (p * 2 * blocks + at) * 8, v.low());
+                if (p + 1 < count) store8(floats + ((p + 1) * 2 * blocks + at) * 8, v.high());
+            }
+        }
+    }
+}
+
+// A prompt's product for weights whose codes the tiles would unpack (int5, int6): each thread
+// widens its sets a few at a time into bytes and float32 scales (about WIDE_BYTES, which stay in
+// cache: widen(from, count, codes, floats)), and every row's tiles read those as int8's read
+// theirs (tile<R, NZ>(row, pairs, codes, floats, y of the sets)): the unpacking and the scales'
+// products are done once per call, not once per tile of rows. A widened set takes 8 bytes and
+// half a float per input.
 constexpr int64_t WIDE_BYTES = 1 << 19;
 
-template <typename Y>
-void int6_prompt(const Activations& a, const Int6Format& format, const uint8_t* int6, Y* y, int64_t rows, int64_t n, int64_t k,
-                 int threads) {
-    const int64_t count = std::max<int64_t>(2 * INT_NZ, WIDE_BYTES / (10 * k) / 2 * 2);  // sets: 8 bytes and 0.25 floats a code
+template <typename Y, typename Widen, typename Tile>
+void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen& widen, const Tile& tile) {
+    const int64_t count = std::max<int64_t>(2 * INT_NZ, WIDE_BYTES / (10 * k) / 2 * 2);
     for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
         thread_local std::vector<uint8_t> codes;
-        thread_local std::vector<float> scales;
-        codes.resize(count * 8 * k), scales.resize(count * k / 2);
+        thread_local std::vector<float> floats;
+        codes.resize(count * 8 * k), floats.resize(count * k / 2);
         for (int64_t from = begin; from < end; from += count) {
             const int64_t sets = std::min(count, end - from);
-            widen_int6(format, int6, from, sets, k, codes.data(), scales.data());
-            const WideInt6Format wide{format, scales.data()};
+            widen(from, sets, codes.data(), floats.data());
             in_streams<INT_NZ>(rows, 0, sets, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool) {
-                integer_tile<R, NZ>(a, wide, codes.data(), y + 8 * from, n, k, m, pairs, false);
+                tile.template operator()<R, NZ>(m, pairs, codes.data(), floats.data(), y + 8 * from);
             });
         }
     }, 2 * INT_NZ);
+}
+
+extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
+                            const uint8_t* scales, const uint8_t* offsets, const float* super_scales,
+                            const float* super_offsets, void* y, int64_t rows, int64_t n, int64_t k, int y_type, int threads) {
+    const int64_t groups = k / BLOCK;
+    const Int4Format format{scales, offsets, F32, groups, 1};
+    if (rows < FACTORED_ROWS) {
+        integer_linear({xq, xd, xsum}, FifthBit<FactoredInt4Format>{{format, super_scales, super_offsets, k / 256, 8}}, codes, y,
+                       rows, n, k, y_type, threads);
+        return;
+    }
+    const FifthBit<FactoredInt4Format> factored{{format, super_scales, super_offsets, k / 256, 8}};
+    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
+        widened(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+            widen_int5(factored, codes, from, sets, k, wide, floats);
+        }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
+            const WideInt5Format format{{floats, floats + groups * 8, F32, 2 * groups, 1}};  // each set's scales, then its offsets
+            integer_tile<R, NZ>({xq, xd, xsum}, format, wide, y_sets, n, k, m, pairs, false);
+        });
+    });
 }
 
 extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
@@ -809,7 +880,11 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
         return;
     }
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        int6_prompt({xq, xd, xsum}, format, codes, static_cast<Y*>(y), rows, n, k, threads);
+        widened(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+            widen_int6(format, codes, from, sets, k, wide, floats);
+        }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
+            integer_tile<R, NZ>({xq, xd, xsum}, WideInt6Format{format, floats}, wide, y_sets, n, k, m, pairs, false);
+        });
     });
 }
 
@@ -823,6 +898,8 @@ extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const i
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
                             const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
+extern "C" void linear_int5(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint8_t*, const uint8_t*,
+                            const float*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const float*, void*,
                             int64_t, int64_t, int64_t, int, int) {}
 

@@ -1,4 +1,4 @@
-// The torch operators llama_mini::linear_dense, linear_int8, linear_int4 and linear_int6 over the kernels of
+// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5 and linear_int6 over the kernels of
 // linear.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
 // tells the Python side whether this build has the vector kernels at all. Inference only (no
 // autograd): the Python side calls them without gradients and runs the layers' own code otherwise.
@@ -146,6 +146,27 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return call.y;
 }
 
+at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+                   const at::Tensor& super_scales, const at::Tensor& super_offsets) {
+    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % (5 * 256) == 0,
+                "llama_mini::linear_int5: contiguous uint8 codes (rows / 8, 5 * inputs), inputs a multiple of 256");
+    const int64_t n = codes.size(0) * 8, k = codes.size(1) / 5;
+    for (const at::Tensor* t : {&scales, &offsets})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == codes.size(0) && t->size(1) == k / 32 * 8 && t->is_contiguous() &&
+                        t->scalar_type() == at::kByte,
+                    "llama_mini::linear_int5: uint8 scales and offsets (rows / 8, inputs / 32 * 8)");
+    for (const at::Tensor* t : {&super_scales, &super_offsets})
+        TORCH_CHECK(t->dim() == 2 && t->size(0) == codes.size(0) && t->size(1) == k / 256 * 8 && t->is_contiguous() &&
+                        t->scalar_type() == at::kFloat,
+                    "llama_mini::linear_int5: float32 super_scales and super_offsets (rows / 8, inputs / 256 * 8)");
+    const IntegerCall call = integer_call(x, n, k);
+    ::linear_int5(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
+                  scales.const_data_ptr<uint8_t>(), offsets.const_data_ptr<uint8_t>(), super_scales.const_data_ptr<float>(),
+                  super_offsets.const_data_ptr<float>(), call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"),
+                  threads_for(call.rows, n, k));
+    return call.y;
+}
+
 at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& super_scales) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % (6 * 256) == 0,
                 "llama_mini::linear_int6: contiguous uint8 codes (rows / 8, 6 * inputs), inputs a multiple of 256");
@@ -173,11 +194,13 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? super_scales=None, "
           "Tensor? super_offsets=None) -> Tensor");
+    m.def("linear_int5(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor super_scales, Tensor super_offsets) -> Tensor");
     m.def("linear_int6(Tensor x, Tensor codes, Tensor scales, Tensor super_scales) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);
     m.impl("linear_int8", llama_mini::int8_op);
     m.impl("linear_int4", llama_mini::int4_op);
+    m.impl("linear_int5", llama_mini::int5_op);
     m.impl("linear_int6", llama_mini::int6_op);
 }

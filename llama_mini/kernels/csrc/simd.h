@@ -289,6 +289,12 @@ template <int SHIFT> inline void six_bit_codes(Ints16 w, Ints16 high, Codes16& l
     low = _mm512_or_si512(low, high_two_bits<4 - SHIFT>(high.v));
     upper = _mm512_or_si512(upper, high_two_bits<2 - SHIFT>(high.v));
 }
+// int5: the fifth bits of run c's codes (bits 2c and 2c + 1 of each byte of `bits`) added to them.
+inline void fifth_bits(Ints16 bits, int c, Codes16& low, Codes16& upper) {
+    const __m512i shifted = _mm512_srl_epi16(bits.v, _mm_cvtsi32_si128(2 * c)), bit = _mm512_set1_epi8(0x10);
+    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(shifted, 4), bit));
+    upper = _mm512_or_si512(upper, _mm512_and_si512(_mm512_slli_epi16(shifted, 3), bit));
+}
 // The 64 bytes of a run of codes: the first set's 32, then the second's; and back.
 inline void store_codes(uint8_t* p, Codes16 codes) { _mm512_storeu_si512(p, codes); }
 inline Codes16 as_codes(Ints16 w) { return w.v; }
@@ -335,6 +341,15 @@ inline void store_codes(uint8_t* p, Codes16 codes) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), codes.hi);
 }
 inline Codes16 as_codes(Ints16 w) { return {w.lo, w.hi}; }
+inline void fifth_bits(Ints16 bits, int c, Codes16& low, Codes16& upper) {
+    const __m128i count = _mm_cvtsi32_si128(2 * c);
+    const __m256i bit = _mm256_set1_epi8(0x10);
+    const __m256i lo = _mm256_srl_epi16(bits.lo, count), hi = _mm256_srl_epi16(bits.hi, count);
+    low = {_mm256_or_si256(low.lo, _mm256_and_si256(_mm256_slli_epi16(lo, 4), bit)),
+           _mm256_or_si256(low.hi, _mm256_and_si256(_mm256_slli_epi16(hi, 4), bit))};
+    upper = {_mm256_or_si256(upper.lo, _mm256_and_si256(_mm256_slli_epi16(lo, 3), bit)),
+             _mm256_or_si256(upper.hi, _mm256_and_si256(_mm256_slli_epi16(hi, 3), bit))};
+}
 #endif
 
 inline int32_t four_bytes(const int8_t* p) {
