@@ -113,10 +113,13 @@ def quantized_notice(model: nn.Module, flag: Optional[str] = "--quantize", compi
     saves = f"{flag} {method} saves memory, not time" if flag else \
         f"the file's {method} blocks save memory, not time (--dtype float32 spends the memory instead)"
     isa = torch.backends.cpu.get_cpu_capability()
-    fast_compiled = layer.scales.device.type != "cpu" or isa in FAST_COMPILED_CPU_CODE
+    one_row = isinstance(layer, (Int8Linear, Int4Linear))  # compiled, one pass over the codes; int5 and int6 dequantize
+    fast_compiled = one_row and (layer.scales.device.type != "cpu" or isa in FAST_COMPILED_CPU_CODE)
     if compiled:
         if fast_compiled:
             return None
+        if not one_row:
+            return f"note: compiled, {method} layers still dequantize their weights each step: {saves}"
         return (f"note: compiled with torch's {isa} CPU code, {method} layers decode slower than float ones "
                 f"(docs/generate_speed.md has the speeds measured): {saves}")
     if (slowdown := quantized_slowdown(layer)) < 1.5:

@@ -256,6 +256,21 @@ def test_off_the_kernels_the_notice_names_the_files_blocks_not_a_flag(q4_k_m, mo
     assert "the file's int4 blocks save memory, not time (--dtype float32 spends the memory instead)" in notice
 
 
+@pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
+def test_the_notice_of_int5_and_int6_promises_nothing_of_compile(kind, monkeypatch):
+    """Compiled, int8 and int4 layers read their codes in one pass (quant/layers.py one_row); int5
+    and int6 dequantize each step compiled or not, so their notice does not offer --compile."""
+    from llama_mini.quant import quantized_notice
+
+    monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 12.0)
+    model = torch.nn.Sequential(layer_from_blocks(kind, blocks_of(kind, SHAPE), SHAPE))
+    method = {T.Q5_K: "int5", T.Q6_K: "int6"}[kind]
+    assert quantized_notice(model, None) == (f"note: here {method} layers take 12x the time of float ones in a decoding step "
+                                             f"(off the CPU kernels each step dequantizes them): the file's {method} blocks save "
+                                             "memory, not time (--dtype float32 spends the memory instead)")
+    assert quantized_notice(model, None, compiled=True).startswith(f"note: compiled, {method} layers still dequantize")
+
+
 def test_the_memory_the_layers_will_hold_is_checked_before_any_is_made(q4_k_m, monkeypatch):
     """The check asks for what the loaded model holds: one byte less free is refused in one line
     before any block is converted; exactly that much loads."""
