@@ -51,13 +51,15 @@ FINGERPRINTS = {
     "quant.layers:Int4Linear.group_scales_and_offsets": "fb106e93d9c0ebd2",
     "quant.layers:Int4Linear.factored": "dd9a55d55579b8a1",
     "quant.layers:Int5Linear.forward": "207fbc6f4f6086ac",
-    "quant.layers:Int5Linear.dequantize": "3c648a0e6c2064b6",
-    "quant.layers:Int5Linear.codes": "82ae26a71d8c604e",
+    "quant.layers:Int5Linear.dequantize": "fac616edef2efd45",
+    "quant.layers:Int5Linear.codes": "b76fffd6e6ccd35a",
+    "quant.layers:Int5Linear.weights": "2eefad73ff336345",
     "quant.layers:Int5Linear.group_scales_and_offsets": "4ef91c59bd6152a0",
     "quant.layers:Int6Linear.forward": "207fbc6f4f6086ac",
-    "quant.layers:Int6Linear.dequantize": "d46580b94454dfb4",
-    "quant.layers:Int6Linear.codes": "2826a3eb0af36182",
-    "quant.layers:Int6Linear.sub_block_scales": "a29ce4761a6e3469",
+    "quant.layers:Int6Linear.dequantize": "fac616edef2efd45",
+    "quant.layers:Int6Linear.codes": "b76fffd6e6ccd35a",
+    "quant.layers:Int6Linear.weights": "472740ea9f4527a8",
+    "quant.layers:Int6Linear.sub_block_scales": "b5557354698c9809",
 }
 
 

@@ -131,7 +131,7 @@ class KernelInt5Linear(IntegerKernel, Int5Linear):
     """Int5Linear on the integer kernel."""
 
     layer = "int5 kernel"
-    computes = DEFINITION + tuple(f"quant.layers:Int5Linear.{name}" for name in ("forward", "dequantize", "codes",
+    computes = DEFINITION + tuple(f"quant.layers:Int5Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
                                                                                   "group_scales_and_offsets"))
 
     def kernel(self, ops, x):
@@ -142,7 +142,8 @@ class KernelInt6Linear(IntegerKernel, Int6Linear):
     """Int6Linear on the integer kernel."""
 
     layer = "int6 kernel"
-    computes = DEFINITION + tuple(f"quant.layers:Int6Linear.{name}" for name in ("forward", "dequantize", "codes", "sub_block_scales"))
+    computes = DEFINITION + tuple(f"quant.layers:Int6Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
+                                                                                  "sub_block_scales"))
 
     def kernel(self, ops, x):
         return ops.linear_int6(x, self.weight, self.scales, self.super_scales)
