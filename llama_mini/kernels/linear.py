@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..quant.layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear
+from ..quant.k_quants import Int5Linear, Int6Linear
+from ..quant.layers import Int4Linear, Int8Linear
 from ..support.memory import release_file_pages
 from .operators import FLOATS, PANEL, operators, to_panels
 
@@ -131,7 +132,7 @@ class KernelInt5Linear(IntegerKernel, Int5Linear):
     """Int5Linear on the integer kernel."""
 
     layer = "int5 kernel"
-    computes = DEFINITION + tuple(f"quant.layers:Int5Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
+    computes = DEFINITION + tuple(f"quant.k_quants:Int5Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
                                                                                   "group_scales_and_offsets"))
 
     def kernel(self, ops, x):
@@ -142,7 +143,7 @@ class KernelInt6Linear(IntegerKernel, Int6Linear):
     """Int6Linear on the integer kernel."""
 
     layer = "int6 kernel"
-    computes = DEFINITION + tuple(f"quant.layers:Int6Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
+    computes = DEFINITION + tuple(f"quant.k_quants:Int6Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
                                                                                   "sub_block_scales"))
 
     def kernel(self, ops, x):

@@ -20,9 +20,11 @@ from torch import nn
 
 from ..support.device import fastest_time
 from ..support.memory import return_freed_memory
-from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, INTEGER_LAYERS, Int4Linear, Int5Linear, Int6Linear, Int8Linear
+from .k_quants import Int5Linear, Int6Linear
+from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
 
 QUANTIZATIONS = ("int8", "int4")
+INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Int6Linear)
 
 
 def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE, weights: Optional[dict] = None,

@@ -30,7 +30,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from .layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear, quantize_int8, row_chunks
+from .k_quants import Int5Linear, Int6Linear
+from .layers import Int4Linear, Int8Linear, quantize_int8, row_chunks
 from .layout import ROW_SET
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)

@@ -1,4 +1,4 @@
-"""int8, int4, int5 and int6 linear layers: the function each computes, in plain torch.
+"""int8 and int4 linear layers: the function each computes, in plain torch.
 
 Decoding one token reads every weight once, so on a CPU tokens/s is bounded by memory
 bandwidth / weight bytes: fewer bytes per weight is the speed-up. Both layers compute
@@ -24,9 +24,7 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float32 factor per super-group of inputs
   times a uint8 per group, 4.75 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
-- int5 and int6: llama.cpp's Q5_K and Q6_K as its files hold them, int4's factored form with a
-  fifth bit (Int5Linear) and w = d s (q - 32) (Int6Linear): a GGUF file's Q5_K and Q6_K matrices
-  are carried into them (gguf_blocks.py); --quantize makes int8 and int4 only.
+The int5 and int6 layers of GGUF's Q5_K and Q6_K (k_quants.py) compute the same function.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -40,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int5, pack_int6,
-                     pack_int8, unpack_int4, unpack_int4_rows, unpack_int5, unpack_int6, unpack_int8)
+from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int4, pack_int4_rows, pack_int8, unpack_int4,
+                     unpack_int4_rows, unpack_int8)
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
@@ -330,106 +328,6 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
-
-
-class KQuantLinear(nn.Module):
-    """What Int5Linear and Int6Linear share: one of llama.cpp's K-quants as its GGUF file holds
-    it, codes of `bits` bits in sets of eight rows (layout.py), their factors (FACTORS: name,
-    inputs each covers, dtype) in sets too, super-groups of 256 inputs; the weights, float32, are
-    the subclass's function of the codes (weights)."""
-
-    super_group_size, rows_of_8, float_dtype = 256, True, torch.float32
-
-    def __init__(self, in_features: int, out_features: int, device=None):
-        super().__init__()
-        if in_features % self.super_group_size or out_features % ROW_SET:
-            raise ValueError(f"int{self.bits} needs inputs in multiples of {self.super_group_size} and outputs in multiples "
-                             f"of {ROW_SET}, not {in_features} -> {out_features}")
-        self.in_features, self.out_features = in_features, out_features
-        sets = out_features // ROW_SET
-        self.register_buffer("weight", torch.empty(sets, self.bits * in_features, dtype=torch.uint8, device=device))
-        for name, inputs, dtype in self.FACTORS:
-            self.register_buffer(name, torch.empty(sets, in_features // inputs * ROW_SET, dtype=dtype, device=device))
-
-    def store_rows(self, start: int, codes: torch.Tensor, *factors: torch.Tensor) -> None:
-        """Rows start .. start + len(codes) (multiples of eight) of the codes as uint8 (rows, in) and
-        of each factor in FACTORS' order (rows, in / the inputs it covers)."""
-        sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
-        self.weight[sets] = self.pack(codes)
-        for (name, _, _), t in zip(self.FACTORS, factors, strict=True):
-            getattr(self, name)[sets] = interleave_rows(t)
-
-    def codes(self) -> torch.Tensor:
-        """The codes as uint8 (out_features, in_features)."""
-        return self.unpack(self.weight)
-
-    def dequantize(self, dtype=None) -> torch.Tensor:
-        """W (out_features, in_features), computed in float32, in dtype (default float32)."""
-        return self.weights(self.codes()).to(dtype or self.float_dtype)
-
-    def rows(self, ids: torch.Tensor, dtype=None) -> torch.Tensor:
-        """Rows ids of W, (len(ids), in_features) in dtype (default float32), dequantizing the
-        sets of eight rows that hold them only."""
-        codes = self.unpack(self.weight[ids // ROW_SET]).view(len(ids), ROW_SET, -1)[torch.arange(len(ids)), ids % ROW_SET]
-        return self.weights(codes, ids).to(dtype or self.float_dtype)
-
-    def forward(self, x):
-        return quantized_linear(self, x)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int{self.bits} groups of {self.group_size}"
-
-
-class Int5Linear(KQuantLinear):
-    """y = quantized_activations(x) W^T with W = q (d sc) - dmin m: 5-bit codes q (0..31) in groups
-    of 32 inputs, each with uint8 factors sc and m, and float32 d and -dmin per row and 256 inputs.
-    It is llama.cpp's Q5_K as the file holds it (5.5 bits a weight; here 5.75): Int4Linear's
-    factored form with a fifth bit, exact in float32 as Q4_K's is (layout.py's int5)."""
-
-    bits, group_size = 5, 32
-    FACTORS = (("scales", 32, torch.uint8), ("offsets", 32, torch.uint8), ("super_scales", 256, torch.float32),
-               ("super_offsets", 256, torch.float32))
-    pack, unpack = staticmethod(pack_int5), staticmethod(unpack_int5)
-
-    def group_scales_and_offsets(self, ids=None):
-        """(d sc, -dmin m), each (out_features, groups) in float32; of rows ids only, where given."""
-        rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
-        per = self.super_group_size // self.group_size
-        return tuple(rows(supers).repeat_interleave(per, dim=1) * rows(factors).float()
-                     for supers, factors in ((self.super_scales, self.scales), (self.super_offsets, self.offsets)))
-
-    def weights(self, codes: torch.Tensor, ids=None) -> torch.Tensor:
-        """q (d sc) + (-dmin m) of codes (rows, in): all rows, or rows ids."""
-        scales, offsets = self.group_scales_and_offsets(ids)
-        w = codes.view(len(codes), -1, self.group_size).float().mul_(scales[..., None]).add_(offsets[..., None])
-        return w.view(len(codes), -1)
-
-
-class Int6Linear(KQuantLinear):
-    """y = quantized_activations(x) W^T with W = d s (q - 32): 6-bit codes q (0..63) in
-    sub-blocks of 16 inputs, each with an int8 factor s, and a float32 d per row and 256 inputs.
-    It is llama.cpp's Q6_K as the file holds it (6.56 bits a weight; here 6.63), for a GGUF
-    file's Q6_K matrices (every Q4_K_M file has some): d s, a 16-bit float times an int8, is
-    exact in float32, and so is d s (q - 32) (layout.py's int6)."""
-
-    bits, group_size = 6, 16
-    FACTORS = (("scales", 16, torch.int8), ("super_scales", 256, torch.float32))
-    pack, unpack = staticmethod(pack_int6), staticmethod(unpack_int6)
-
-    def sub_block_scales(self, ids=None) -> torch.Tensor:
-        """d s for each row and sub-block of 16 inputs, (out_features, in_features / 16), in float32;
-        of rows ids only, where given."""
-        rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
-        supers = rows(self.super_scales).repeat_interleave(self.super_group_size // self.group_size, dim=1)
-        return supers * rows(self.scales).float()
-
-    def weights(self, codes: torch.Tensor, ids=None) -> torch.Tensor:
-        """(d s) (q - 32) of codes (rows, in): all rows, or rows ids."""
-        w = codes.view(len(codes), -1, self.group_size).float().sub_(32).mul_(self.sub_block_scales(ids)[..., None])
-        return w.view(len(codes), -1)
-
-
-INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Int6Linear)
 
 
 def rows_of_sets(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.names import from_format
 from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
 from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
-from llama_mini.quant.layers import Int4Linear, Int5Linear, Int6Linear, Int8Linear, QuantizedEmbedding
+from llama_mini.quant.k_quants import Int5Linear, Int6Linear
+from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
 
 EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
          T.Q5_K: Int5Linear, T.Q6_K: Int6Linear}

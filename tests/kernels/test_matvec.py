@@ -170,7 +170,7 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
 def int5_layer(n, k, g):
     """llama.cpp's Q5_K as Int5Linear holds it: codes 0..31 (all 0 and all 31 in two rows), uint8
     factors per group of 32 (the largest, 255, too), float32 d and -dmin per 256."""
-    from llama_mini.quant.layers import Int5Linear
+    from llama_mini.quant.k_quants import Int5Linear
 
     codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 31, 0
@@ -186,7 +186,7 @@ def int5_layer(n, k, g):
 def int6_layer(n, k, g):
     """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63 (all 63 and all 0 in two rows), an
     int8 factor per sub-block of 16 inputs (its extremes -128 and 127 too), float32 per 256."""
-    from llama_mini.quant.layers import Int6Linear
+    from llama_mini.quant.k_quants import Int6Linear
 
     codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 63, 0
