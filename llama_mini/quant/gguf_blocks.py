@@ -140,9 +140,10 @@ def _q5_k(rows, k):
     b = _blocks(rows, T.Q5_K)
     n, supers = len(rows), b.shape[1]
     sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
-    low = _nibbles(b[..., 48:].reshape(n, supers, 4, 32)).reshape(n, supers, 8, 32)
-    fifth = (b[..., 16:48].reshape(n, supers, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1
-    return (low | (fifth << 4)).reshape(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
+    codes = _nibbles(b[..., 48:].reshape(n, supers, 4, 32)).reshape(n, supers, 8, 32)
+    fifth = b[..., 16:48].reshape(n, supers, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
+    codes |= fifth.bitwise_and_(1).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
+    return codes.reshape(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
 
 
 def _q6_k(rows, k):
@@ -152,9 +153,9 @@ def _q6_k(rows, k):
     -> codes, sc, d."""
     b = _blocks(rows, T.Q6_K)
     n, supers = len(rows), b.shape[1]
-    low = _nibbles(b[..., :128].reshape(n, supers, 2, 64))  # ..., half, nibble, j
+    codes = _nibbles(b[..., :128].reshape(n, supers, 2, 64)).reshape(n, supers, 2, 4, 32)  # ..., half, i, j
     high = b[..., 128:192].reshape(n, supers, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    codes = low.reshape(n, supers, 2, 4, 32) | ((high & 3) << 4)  # ..., half, i, j
+    codes |= high.bitwise_and_(3).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
     return codes.reshape(n, k), sc, _half(b[..., 208:]).float()
 

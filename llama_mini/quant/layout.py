@@ -61,7 +61,7 @@ def pack_int5(codes: torch.Tensor) -> torch.Tensor:
     n, k = codes.shape
     low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 128)
     fifth = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, nibble, u
-    bits = (fifth << _FIFTH_BIT_SHIFTS).sum((3, 4), dtype=torch.uint8)  # set, row, block, u: the bits are disjoint
+    bits = fifth.bitwise_left_shift_(_FIFTH_BIT_SHIFTS).sum((3, 4), dtype=torch.uint8)  # set, row, block, u: disjoint bits
     return torch.cat((low, bits.permute(0, 2, 1, 3).reshape(n // ROW_SET, k // BLOCK, 32)), -1).view(n // ROW_SET, 5 * k)
 
 
@@ -84,7 +84,7 @@ def pack_int6(codes: torch.Tensor) -> torch.Tensor:
     low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 2, 64)  # set, block, half, its two runs
     high = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 2, 2, 2, 4)  # set, row, block, half, run, nibble, u
     shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[..., None]  # run, nibble
-    bits = (high << shifts).sum((4, 5), dtype=torch.uint8)  # set, row, block, half, u: the bits are disjoint
+    bits = high.bitwise_left_shift_(shifts).sum((4, 5), dtype=torch.uint8)  # set, row, block, half, u: disjoint bits
     return torch.cat((low, bits.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, k // BLOCK, 2, 32)), -1).view(n // ROW_SET, 6 * k)
 
 

@@ -831,7 +831,8 @@ void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen&
     for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
         thread_local std::vector<uint8_t> codes;
         thread_local std::vector<float> floats;
-        codes.resize(count * 8 * k), floats.resize(count * k / 2);
+        const int64_t most = std::min(count, end - begin);  // a small matrix's band is all it needs
+        codes.resize(std::max<size_t>(codes.size(), most * 8 * k)), floats.resize(std::max<size_t>(floats.size(), most * k / 2));
         for (int64_t from = begin; from < end; from += count) {
             const int64_t sets = std::min(count, end - from);
             widen(from, sets, codes.data(), floats.data());
