@@ -272,6 +272,36 @@ def test_the_notice_of_int5_and_int6_promises_nothing_of_compile(kind, monkeypat
     assert quantized_notice(model, None, compiled=True).startswith(f"note: compiled, {method} layers still dequantize")
 
 
+@pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
+def test_an_edited_int5_or_int6_definition_runs_as_edited_with_the_kernel_left_off(kind, monkeypatch, caplog):
+    """The int5 and int6 kernels compute their layers' dequantized weights as k_quants.py holds
+    them: a reader who edits that code gets the edited function, and one line naming it."""
+    import logging
+
+    from llama_mini.kernels import fingerprints
+    from llama_mini.kernels.operators import operators
+
+    if operators() is None:
+        pytest.skip("no CPU kernels on this machine")
+    cls = EXACT[kind]
+    layer = layer_from_blocks(kind, blocks_of(kind, SHAPE), SHAPE)
+    x = torch.randn(3, SHAPE[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        unedited = use_cpu_kernels(torch.nn.Sequential(layer))[0](x)
+    layer.__class__ = cls
+    weights = cls.weights
+    monkeypatch.setattr(cls, "weights", lambda self, codes, ids=None: weights(self, codes, ids) * 0.5)
+    fingerprints.notice_changed.cache_clear()
+    caplog.set_level(logging.WARNING, logger="llama_mini")
+    fast = use_cpu_kernels(torch.nn.Sequential(layer))[0]
+    with torch.inference_mode():
+        got = fast(x)
+    assert type(fast) is cls and torch.allclose(got, unedited * 0.5, rtol=1e-4, atol=1e-4)
+    assert any(f"{cls.__name__}.weights in llama_mini/quant/k_quants.py" in r.getMessage() and "left off" in r.getMessage()
+               for r in caplog.records)
+    fingerprints.notice_changed.cache_clear()
+
+
 def test_the_memory_the_layers_will_hold_is_checked_before_any_is_made(q4_k_m, monkeypatch):
     """The check asks for what the loaded model holds: one byte less free is refused in one line
     before any block is converted; exactly that much loads."""

@@ -199,7 +199,7 @@ def int6_layer(n, k, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 16, 70, 130])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 70, 130])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("make", [int5_layer, int6_layer], ids=["int5", "int6"])
 def test_int5_and_int6_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
@@ -302,7 +302,7 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
     assert step.isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "int5", "int6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
@@ -312,13 +312,15 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
     from llama_mini.quant.layers import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(16, 96, generator=g).to(dtype)
+    k = 256 if kind in ("int5", "int6") else 96  # the K-quants' super-blocks
+    w = torch.randn(16, k, generator=g).to(dtype)
     layer = {"int8": lambda: Int8Linear.from_weight(w), "int4": lambda: Int4Linear.from_weight(w),
              "int8, float16 scales": lambda: Int8Linear.from_weight(w, torch.float16),  # a GGUF file's Q8_0
-             "factored int4": lambda: factored_int4(16, 96, g).to(dtype)}[kind]()  # a GGUF file's Q4_K
+             "factored int4": lambda: factored_int4(16, 96, g).to(dtype),  # a GGUF file's Q4_K
+             "int5": lambda: int5_layer(16, k, g)[0], "int6": lambda: int6_layer(16, k, g)[0]}[kind]()  # Q5_K, Q6_K
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
-    for position in (0, 5, 31, 32, 63, 95):
-        x = torch.randn(3, 96, generator=g).to(dtype)
+    for position in (0, 5, 31, 32, 63, 95, k - 1):
+        x = torch.randn(3, k, generator=g).to(dtype)
         x[1, position] = value
         with torch.inference_mode():
             got, expected = fast(x), layer(x)
