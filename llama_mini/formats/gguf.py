@@ -224,7 +224,7 @@ def read_gguf(path: Path, dtype=None):
 def load_gguf_blocks(path: Path):
     """The model of a GGUF file at the file's precision, or None where it holds no quantized
     tensor (read_gguf maps its float tensors as they are). Each quantized matrix becomes an
-    int8, int4 or int6 layer as it is read (quant/gguf_blocks.py), the token embedding a
+    integer layer (int8, int4, int5, int6) as it is read (quant/gguf_blocks.py), the token embedding a
     QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
     float32. No float copy of a quantized matrix is ever made; activations are float32."""
     file = GGUFFile(path)

@@ -70,11 +70,11 @@ def held_bytes(kind: T, shape) -> int:
     if kind == T.Q4_K and out_features % ROW_SET == 0:  # codes two a byte, uint8 factors per group, float32 per 256
         return n // 2 + 2 * blocks + 2 * 4 * (n // 256)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
-        return n // 2 + 2 * 2 * blocks
+        return n // 2 + 2 * 2 * blocks  # codes two a byte, a float16 scale and offset per group of 32
     if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float32 per 256
         return 5 * n // 8 + 2 * blocks + 2 * 4 * (n // 256)
     if kind == T.Q6_K and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, float32 per 256
-        return 6 * n // 8 + n // 16 + 4 * (n // 256)  # codes two a byte, a float16 scale and offset per group of 32
+        return 6 * n // 8 + n // 16 + 4 * (n // 256)
     return n + 2 * blocks  # int8: a float16 or bfloat16 scale per block of 32
 
 
