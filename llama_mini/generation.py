@@ -1,7 +1,8 @@
 """Autoregressive sampling with a preallocated KV cache, as in Meta's generation.py.
 
-Two phases, named as gpt-fast names them: prefill reads the prompts in one forward pass, and
-decode_one_token then reads one position per step. Rows of different lengths need no padding:
+Two phases, named as gpt-fast names them: prefill reads the prompts, PREFILL_CHUNK positions
+per forward pass (llama.cpp's micro-batches), and decode_one_token then reads one position per
+step. Rows of different lengths need no padding:
 every row starts at position 0, prefill reads the batch up to the shortest prompt, and a row
 whose prompt is longer keeps feeding its own prompt tokens until they run out (Meta's
 input_text_mask), so all rows share one cache and none sees padding.
@@ -29,6 +30,7 @@ TEMPERATURE, TOP_P = 0.6, 0.9  # the defaults of Meta's example scripts
 LOOKAHEAD, MAX_LOOKAHEAD = 4, 32  # tokens a draft proposes per forward of the model
 NGRAM = "ngram"  # the draft that copies from the text so far (prompt lookup)
 NGRAM_SIZES = (3, 2, 1)  # the n-grams it looks up, the longest first
+PREFILL_CHUNK = 256  # prompt positions per forward: a long prompt's activations stay a chunk's
 DRAFT_CONFIDENCE = 0.4  # a draft stops proposing after a token it gave less (transformers' assistant threshold)
 
 
@@ -204,10 +206,14 @@ def _dropping_cache(models, steps):
             model.drop_cache()
 
 
-def prefill(model: Transformer, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits (B, vocab) of the position after tokens (B, T), the prompts read from position 0
-    in one forward; their keys and values fill the cache."""
-    return model(tokens, start_pos=0, last_only=True)[:, -1]
+def prefill(model: Transformer, tokens: torch.Tensor, start_pos: int = 0) -> torch.Tensor:
+    """Logits (B, vocab) of the position after tokens (B, T), read into the cache from
+    start_pos, PREFILL_CHUNK positions per forward: a 1,024-token prompt then needs a quarter of
+    the activations, and on the CPU kernels, which compute each position as it would be
+    computed alone, the same numbers as one forward."""
+    for start in range(0, tokens.shape[1], PREFILL_CHUNK):
+        logits = model(tokens[:, start : start + PREFILL_CHUNK], start_pos=start_pos + start, last_only=True)
+    return logits[:, -1]
 
 
 def decode_one_token(model: Transformer, token: torch.Tensor, pos: int) -> torch.Tensor:
@@ -334,7 +340,7 @@ def _draft_proposals(draft, seq, drafted_upto, k, temperature, top_p, top_k, gen
     proposals, dists = [], []
     fed, pos = seq[drafted_upto:], drafted_upto
     for _ in range(k):
-        logits = draft(torch.tensor([fed], device=device), start_pos=pos, last_only=True)[0, -1]
+        logits = prefill(draft, torch.tensor([fed], device=device), pos)[0]
         _check_finite(logits, pos + len(fed), draft, "draft")
         probs = probabilities(logits, temperature, top_p, top_k)
         token = (logits.argmax() if probs is None else torch.multinomial(probs, 1, generator=generator)[0]).item()

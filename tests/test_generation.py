@@ -6,7 +6,11 @@ import pytest
 import torch
 
 from llama_mini import generate
-from llama_mini.generation import sample, stream_text, top_k_filter, top_p_filter
+from llama_mini import generation
+from llama_mini.generation import prefill, sample, stream_text, top_k_filter, top_p_filter
+from llama_mini.kernels import use_cpu_kernels
+from llama_mini.kernels.operators import operators
+from llama_mini.quant import quantize
 from llama_mini.tokenizers import open_tokenizer
 
 from fixtures import LLAMA2_TOKENIZER, require, tiny_model
@@ -171,6 +175,33 @@ def test_cache_is_allocated_once_and_the_prompt_is_read_once(monkeypatch):
     assert setups == [(2, 38)]
     # The shortest prompt is read in one pass; every later step reads one token.
     assert calls == [(30, 0)] + [(1, pos) for pos in range(30, 37)]
+
+
+def test_a_long_prompt_is_read_a_chunk_at_a_time_and_gives_the_same_tokens(monkeypatch):
+    model = double_model()
+    whole = generate(model, [[1, 2, 3] * 10], 6, temperature=0)
+    calls, forward = [], model.forward
+    monkeypatch.setattr(model, "forward", lambda tokens, start_pos=None, **kw: calls.append((tokens.shape[1], start_pos)) or forward(tokens, start_pos, **kw))
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", 8)
+    assert generate(model, [[1, 2, 3] * 10], 6, temperature=0) == whole
+    assert calls == [(8, 0), (8, 8), (8, 16), (6, 24)] + [(1, pos) for pos in range(30, 35)]
+
+
+@pytest.mark.skipif(operators() is None, reason="no vector kernels on this machine (x86-64 with AVX2 and FMA)")
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+def test_on_the_kernels_a_prompt_read_in_chunks_gives_one_forwards_logits_bit_for_bit(monkeypatch, method):
+    """The kernels compute each position as if alone, so cutting a prompt into chunks changes no bit."""
+    model = tiny_model(3, max_seq_len=256)
+    model = use_cpu_kernels(quantize(model, method) if method else model)
+    tokens = torch.randint(0, model.args.vocab_size, (2, 150), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        model.setup_cache(2, 150)
+        whole = model(tokens, 0, last_only=True)[:, -1]
+        cache = model.layers[-1].attention.cache.k.clone()
+        monkeypatch.setattr(generation, "PREFILL_CHUNK", 32)
+        model.setup_cache(2, 150)
+        assert torch.equal(prefill(model, tokens), whole)
+        assert torch.equal(model.layers[-1].attention.cache.k, cache)
 
 
 def test_nan_weights_are_reported_not_sampled():

@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType as T
 
 from .k_quants import Int5Linear, Int6Linear
 from .layers import Int4Linear, Int8Linear, quantize_int8, row_chunks
-from .layout import ROW_SET
+from .layout import ROW_SET, as_words
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -89,8 +89,9 @@ def _half(field: torch.Tensor) -> torch.Tensor:
 
 
 def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """Bytes (..., n) -> codes (..., 2, n): the low nibbles, then the high ones."""
-    return torch.stack((qs & 0x0F, qs >> 4), dim=-2)
+    """Bytes (..., n), n % 4 == 0 -> codes (..., 2, n): the low nibbles, then the high ones."""
+    words = as_words(qs)
+    return torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), dim=-2).view(torch.uint8)
 
 
 def _q8_0(rows, k):
@@ -140,10 +141,10 @@ def _q5_k(rows, k):
     b = _blocks(rows, T.Q5_K)
     n, supers = len(rows), b.shape[1]
     sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
-    codes = _nibbles(b[..., 48:].reshape(n, supers, 4, 32)).reshape(n, supers, 8, 32)
-    fifth = b[..., 16:48].reshape(n, supers, 1, 32) >> torch.arange(8, dtype=torch.uint8)[:, None]
-    codes |= fifth.bitwise_and_(1).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
-    return codes.reshape(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
+    codes = as_words(_nibbles(b[..., 48:].reshape(n, supers, 4, 32))).view(n, supers, 8, 8)  # ..., sub-block, words of 4
+    fifth = as_words(b[..., 16:48]).view(n, supers, 1, 8) >> torch.arange(8, dtype=torch.int32)[:, None]
+    codes |= fifth.bitwise_and_(0x01010101).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
+    return codes.view(torch.uint8).view(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
 
 
 def _q6_k(rows, k):
@@ -153,11 +154,11 @@ def _q6_k(rows, k):
     -> codes, sc, d."""
     b = _blocks(rows, T.Q6_K)
     n, supers = len(rows), b.shape[1]
-    codes = _nibbles(b[..., :128].reshape(n, supers, 2, 64)).reshape(n, supers, 2, 4, 32)  # ..., half, i, j
-    high = b[..., 128:192].reshape(n, supers, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
-    codes |= high.bitwise_and_(3).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
+    codes = as_words(_nibbles(b[..., :128].reshape(n, supers, 2, 64))).view(n, supers, 2, 4, 8)  # ..., half, i, words of j
+    high = as_words(b[..., 128:192]).view(n, supers, 2, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32)[:, None]
+    codes |= high.bitwise_and_(0x03030303).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
-    return codes.reshape(n, k), sc, _half(b[..., 208:]).float()
+    return codes.view(torch.uint8).view(n, k), sc, _half(b[..., 208:]).float()
 
 
 def _requantized(kind: T):

@@ -26,9 +26,34 @@ BLOCK = 32  # inputs per block
 
 
 def pack_int8(codes: torch.Tensor) -> torch.Tensor:
-    """int8 codes (n, k), n % 8 == 0 and k % 32 == 0 -> the layout (n / 8, 8 k)."""
+    """int8 codes (n, k), n % 8 == 0 and k % 32 == 0 -> the layout (n / 8, 8 k). A row's four
+    bytes of a run move as one int32, as in every packing here: a quarter as many elements."""
     n, k = codes.shape
-    return codes.reshape(n // ROW_SET, ROW_SET, k // 4, 4).transpose(1, 2).reshape(n // ROW_SET, ROW_SET * k)
+    words = as_words(codes).view(n // ROW_SET, ROW_SET, k // 4)
+    return _bytes(words.transpose(1, 2), n // ROW_SET, ROW_SET * k, torch.int8)
+
+
+def as_words(field: torch.Tensor) -> torch.Tensor:
+    """Bytes (..., n), n % 4 == 0, as int32 words (..., n / 4), word i holding bytes 4i..4i+3:
+    bit operations then take four bytes at once, a quarter as many elements."""
+    field = field.contiguous()
+    if field.numel() == 0:  # no strides to reinterpret
+        return field.new_empty((*field.shape[:-1], field.shape[-1] // 4), dtype=torch.int32)
+    return field.view(torch.int32)
+
+
+def _bytes(words: torch.Tensor, sets: int, width: int, dtype=torch.uint8) -> torch.Tensor:
+    """int32 words -> their bytes in order, (sets, width) of dtype."""
+    if words.numel() == 0:  # no strides to reinterpret
+        return torch.empty(sets, width, dtype=dtype, device=words.device)
+    return words.contiguous().view(dtype).view(sets, width)
+
+
+def _int4_runs(words: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """Words of codes 0..15 (n, k / 4) -> int4's runs as words (n / 8, blocks, 4 runs, 8 rows):
+    a code's nibble shifts within its byte, so a word shifts as four bytes would."""
+    halves = words.view(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2)  # set, row, block, run, high?
+    return (halves[..., 0] | (halves[..., 1] << 4)).permute(0, 2, 3, 1)
 
 
 def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
@@ -42,9 +67,7 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..15 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 4 k)."""
     n, k = codes.shape
-    nibbles = codes.reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, high?, u
-    bytes_ = nibbles[..., 0, :] | (nibbles[..., 1, :] << 4)  # set, row, block, run, u
-    return bytes_.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, 4 * k)
+    return _bytes(_int4_runs(as_words(codes), n, k), n // ROW_SET, 4 * k)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -59,10 +82,13 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 def pack_int5(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..31 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 5 k)."""
     n, k = codes.shape
-    low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 128)
-    fifth = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 4, 2, 4)  # set, row, block, run, nibble, u
-    bits = fifth.bitwise_left_shift_(_FIFTH_BIT_SHIFTS).sum((3, 4), dtype=torch.uint8)  # set, row, block, u: disjoint bits
-    return torch.cat((low, bits.permute(0, 2, 1, 3).reshape(n // ROW_SET, k // BLOCK, 32)), -1).view(n // ROW_SET, 5 * k)
+    words = as_words(codes)
+    low = _int4_runs(words & 0x0F0F0F0F, n, k).reshape(n // ROW_SET, k // BLOCK, 4 * ROW_SET)
+    fifth = ((words >> 4) & 0x01010101).view(n // ROW_SET, ROW_SET, k // BLOCK, 8)  # set, row, block, (run, nibble)
+    bits = fifth[..., 0]
+    for shift in range(1, 8):  # run c's nibble h to bit 2c + h: disjoint bits
+        bits = bits | (fifth[..., shift] << shift)
+    return _bytes(torch.cat((low, bits.transpose(1, 2)), -1), n // ROW_SET, 5 * k)
 
 
 def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
@@ -81,11 +107,11 @@ _FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # run, nib
 def pack_int6(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes 0..63 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 6 k)."""
     n, k = codes.shape
-    low = pack_int4(codes & 0x0F).view(n // ROW_SET, k // BLOCK, 2, 64)  # set, block, half, its two runs
-    high = (codes >> 4).reshape(n // ROW_SET, ROW_SET, k // BLOCK, 2, 2, 2, 4)  # set, row, block, half, run, nibble, u
-    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[..., None]  # run, nibble
-    bits = high.bitwise_left_shift_(shifts).sum((4, 5), dtype=torch.uint8)  # set, row, block, half, u: disjoint bits
-    return torch.cat((low, bits.permute(0, 2, 3, 1, 4).reshape(n // ROW_SET, k // BLOCK, 2, 32)), -1).view(n // ROW_SET, 6 * k)
+    words = as_words(codes)
+    low = _int4_runs(words & 0x0F0F0F0F, n, k).reshape(n // ROW_SET, k // BLOCK, 2, 2 * ROW_SET)  # set, block, half
+    high = ((words >> 4) & 0x03030303).view(n // ROW_SET, ROW_SET, k // BLOCK, 2, 4)  # set, row, block, half, (run, nibble)
+    bits = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)  # disjoint bits
+    return _bytes(torch.cat((low, bits.permute(0, 2, 3, 1)), -1), n // ROW_SET, 6 * k)
 
 
 def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
