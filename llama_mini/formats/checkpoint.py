@@ -177,9 +177,6 @@ def save_checkpoint(model: Transformer, path, format: str = "native", tokenizer_
     tokenizer_path, when given, is copied into the folder as tokenizer.model (copy_tokenizer).
     """
     check_writable(model.args, format, shards, max_shard_bytes)  # before anything is created
-    if getattr(model, "quantization", None) and model.quantization["method"] == "gguf":
-        raise ValueError("a model held at its GGUF file's precision is saved by converting the file: python -m "
-                         "llama_mini.formats.convert FILE DST --to native (or --quantize int8|int4)")
     if getattr(model, "quantization", None) and format != "native":
         raise ValueError(f"a quantized model is saved in the native format only, not {format!r}; convert its full-precision source")
     path = Path(path)

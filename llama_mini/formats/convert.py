@@ -6,6 +6,7 @@
     python -m llama_mini.formats.convert stories15M.bin stories15M-hf --to hf  # llama2.c's export
     python -m llama_mini.formats.convert out/run out/run-int8 --to native --quantize int8
     python -m llama_mini.formats.convert out/run model-q8_0.gguf --to gguf --type q8_0   # for llama.cpp
+    python -m llama_mini.formats.convert model-Q4_K_M.gguf model-q4 --to native  # a GGUF file, at its own precision
     python -m llama_mini.formats.convert model-Q4_K_M.gguf model-hf --to hf   # a GGUF file, dequantized
 
 The tokenizer.model found with SRC (in it or its parent) is copied into DST; a GGUF file's
@@ -45,8 +46,9 @@ def convert(src, dst, to: str, shards: int = 1, dtype=None, tokenizer_path=None,
     tokenizer_path = tokenizer_path or find_tokenizer(src)
     # Opened, and so checked, before it is copied: a bad --tokenizer or a damaged vocabulary fails first.
     tokenizer = open_tokenizer(tokenizer_path) if tokenizer_path is not None else None
+    # A GGUF file's blocks stay as held in a native checkpoint; the float formats take their values.
     model = load_checkpoint(src, dtype=dtype, max_seq_len=max_seq_len, tokenizer_path=tokenizer_path, quantize=quantize,
-                            keep_blocks=False)
+                            keep_blocks=to == "native")
     if tokenizer is not None:
         check_vocab_size(tokenizer, model.args.vocab_size, src)
     check_writable(model.args, to, shards, max_shard_bytes)  # a refusal creates nothing

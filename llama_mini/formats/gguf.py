@@ -36,6 +36,7 @@ from ..support.memory import check_free_memory, return_freed_memory
 from ..model import ModelArgs, Transformer, rope_frequencies
 from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
 from ..quant import layer_method
+from ..quant.held import layer_record
 from ..quant.layers import QuantizedEmbedding
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
@@ -239,7 +240,7 @@ def load_gguf_blocks(path: Path):
     check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
                       "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
     model = empty_model(args)
-    floats, kinds = {}, {}
+    floats, kinds, layers = {}, {}, {}
     for ours, theirs in names.items():
         info = file.tensors[theirs]
         if info.type in FLOATS:
@@ -252,6 +253,7 @@ def load_gguf_blocks(path: Path):
         file.release(theirs)
         return_freed_memory()
         kinds.setdefault(info.type.name, layer_method(layer))
+        layers[ours.removesuffix(".weight")] = layer_record(layer)
         parent, _, child = ours.removesuffix(".weight").rpartition(".")
         if child == "tok_embeddings":
             layer = QuantizedEmbedding(layer)
@@ -263,7 +265,7 @@ def load_gguf_blocks(path: Path):
         else:
             model.output.weight = model.tok_embeddings.weight
     held = ", ".join(f"{kind} as {layer}" for kind, layer in sorted(kinds.items()))
-    model.quantization = {"method": "gguf", "held": f"the file's blocks ({held})"}
+    model.quantization = {"method": "gguf", "held": f"the file's blocks ({held})", "layers": layers}
     return model.eval()
 
 

@@ -71,15 +71,16 @@ def read_native(path: Path):
     if quantization and quantization["method"] == "int4" and format_version(read_json(path / CONFIG), path) == 2:
         state = offsets_from_zeros(state)
     check_fits_config(args, state, path, quantization=quantization)
-    if args.tie_embeddings:
-        state["output.weight"] = state["tok_embeddings.weight"]
+    if args.tie_embeddings:  # the head is the embedding's table (its layer's tensors, where a GGUF file's)
+        table = "tok_embeddings.table." if "tok_embeddings.table.weight" in state else "tok_embeddings."
+        state.update({"output." + name.removeprefix(table): tensor for name, tensor in state.items() if name.startswith(table)})
     return args, state, quantization
 
 
 def write_native(model, path: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if model.args.tie_embeddings:
-        del state["output.weight"]  # the same tensor as tok_embeddings.weight; stored once
+    if model.args.tie_embeddings:  # the same tensors as the embedding's; stored once
+        state = {name: tensor for name, tensor in state.items() if not name.startswith("output.")}
     atomic_write(path / WEIGHTS, lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = {**format_record(), "llama_mini": dataclasses.asdict(model.args)}
     if getattr(model, "quantization", None):

@@ -20,7 +20,8 @@ never inspected to guess which layout they are in.
 - Format 2, from 0.1.0 to 0.2.0: read. Its int4 layers store `zeros`, the value code 8 stands
   for; they are read as today's `offsets`, the value code 0 stands for (zero - 8 scale, computed
   in float32 and rounded to the scales' dtype once).
-- Format 3, from 0.3.0: read.
+- Format 3, from 0.3.0: read. Its quantization record may instead name each matrix's layer, as a
+  GGUF file's blocks are held (quant/held.py).
 - A newer format: refused (upgrade llama_mini).
 """
 

@@ -49,8 +49,11 @@ def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "our
     """
     named = (lambda name: name) if layout == "ours" else (lambda name: to_format(name, layout))
     _check_layer_count(args, tensors, source)  # before building: a config may claim millions of layers
-    expected = empty_model(args, quantization).state_dict()
-    missing = expected.keys() - tensors.keys() - ({"output.weight"} if args.tie_embeddings else set())
+    try:
+        expected = empty_model(args, quantization).state_dict()
+    except ValueError as e:  # a quantization record that does not fit the config
+        raise ValueError(f"{source}: {e}; {MISFIT}") from None
+    missing = {name for name in expected.keys() - tensors.keys() if not (args.tie_embeddings and name.startswith("output."))}
     unexpected = tensors.keys() - expected.keys()
     if missing or unexpected:
         found = {"missing": sorted(map(named, missing))[:3], "unexpected": sorted(map(named, unexpected))[:3]}
@@ -87,12 +90,14 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     is never held (quant.quantize)."""
     model = empty_model(args, quantization)
     dtypes = {tensor.dtype for tensor in state.values() if tensor.is_floating_point()}
-    if dtype is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
+    if dtype is None and quantization is None and len(dtypes) > 1:  # one dtype for all, as transformers' torch_dtype gives
         dtype = state["tok_embeddings.weight"].dtype
     if quantize is not None:
         quant.quantize(model, quantize, weights=state, dtype=dtype, device=device)
     model.load_state_dict(state, assign=True, strict=quantize is None)  # quantized: the rest of state, checked by the reader
-    if args.tie_embeddings:
+    if args.tie_embeddings and isinstance(model.tok_embeddings, quant.QuantizedEmbedding):
+        model.output = model.tok_embeddings.table  # one layer, as a GGUF file's tied head is held
+    elif args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
     return model.to(device=device, dtype=dtype).eval()
 

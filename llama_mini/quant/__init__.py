@@ -20,8 +20,9 @@ from torch import nn
 
 from ..support.device import fastest_time
 from ..support.memory import return_freed_memory
+from .held import empty_held_model, is_layer_record
 from .k_quants import Int5Linear, Int6Linear
-from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear
+from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedEmbedding
 
 QUANTIZATIONS = ("int8", "int4")
 INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Int6Linear)
@@ -58,7 +59,14 @@ def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE
 def dequantize(model: nn.Module) -> nn.Module:
     """The inverse of quantize: each quantized layer becomes an nn.Linear holding its dequantized
     weight, in its float_dtype (its scales'), in place; returns model. The weights are the quantized
-    ones, not the full-precision weights they came from."""
+    ones, not the full-precision weights they came from. An embedding held as an integer layer's
+    rows (a GGUF file's) becomes an nn.Embedding of them, still the head's where the two are tied."""
+    embedding = getattr(model, "tok_embeddings", None)
+    if isinstance(embedding, QuantizedEmbedding):
+        model.tok_embeddings = nn.Embedding.from_pretrained(embedding.table.dequantize(), freeze=False)
+        if model.output is embedding.table:
+            model.output = nn.Linear(embedding.table.in_features, embedding.table.out_features, bias=False, device="meta")
+            model.output.weight = model.tok_embeddings.weight
     for parent, name, layer in _linears(model, INTEGER_LAYERS).values():
         linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
         linear.weight = nn.Parameter(layer.dequantize())
@@ -70,6 +78,10 @@ def dequantize(model: nn.Module) -> nn.Module:
 def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
     """model (built on the meta device, for load_state_dict(assign=True)) with quantized layers
     of the right shapes in place of its linear layers: the full-precision weights never exist."""
+    if quantization["method"] == "gguf":
+        empty_held_model(model, quantization["layers"])
+        model.quantization = dict(quantization)
+        return model
     method, group_size = quantization["method"], quantization["group_size"]
     for parent, name, linear in _linears(model).values():
         if method == "int8" or linear is model.output:
@@ -158,7 +170,14 @@ def check_method(method: str) -> None:
 
 
 def read_quantization(record, source) -> dict:
-    """The quantization record of a config.json, checked: {"method": ..., "group_size": ...}."""
+    """The quantization record of a config.json, checked: {"method": ..., "group_size": ...}, or a
+    GGUF file's layers as held ({"method": "gguf", "layers": ...}, held.py)."""
+    if isinstance(record, dict) and record.get("method") == "gguf":
+        layers = record.get("layers")
+        if not (isinstance(layers, dict) and all(isinstance(name, str) and is_layer_record(r) for name, r in layers.items())):
+            raise ValueError(f"{source} has a record of a GGUF file's layers that llama_mini does not know; convert the file again")
+        held = record.get("held")
+        return {"method": "gguf", "held": held if isinstance(held, str) else "a GGUF file's blocks", "layers": layers}
     if not isinstance(record, dict) or record.get("method") not in QUANTIZATIONS or "group_size" not in record:
         raise ValueError(f"{source} has a quantization record llama_mini does not know ({record!r}); convert the checkpoint again")
     group_size = record["group_size"]

@@ -241,10 +241,54 @@ def test_loading_draws_no_initial_weights_on_the_meta_device(q4_k_m, tmp_path):
     assert result.stdout.split()[-1] == "False"
 
 
-def test_saving_a_model_held_at_its_files_precision_names_convert(q4_k_m, tmp_path):
-    with pytest.raises(ValueError, match="saved by converting the file: python -m llama_mini.formats.convert"):
-        save_checkpoint(load_checkpoint(q4_k_m[0]), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+@pytest.mark.parametrize("tied", [False, True], ids=["own head", "tied head"])
+def test_a_native_checkpoint_holds_each_layer_as_the_file_held_it(tmp_path, tied):
+    """convert --to native keeps the file's precision: the same layers and tensors, bit for bit,
+    in about the file's size, and the same logits; --init-from starts from the same dequantized
+    weights as from the file."""
+    from llama_mini.formats.convert import convert
+    from llama_mini.quant import dequantize
+
+    args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": tied})
+    types = {name: kind for name, kind in TYPES.items() if not (tied and name == "output.weight")}
+    path, _ = write_file(tmp_path / "m.gguf", types, args)
+    convert(path, tmp_path / "native", "native")
+    held, native = load_checkpoint(path), load_checkpoint(tmp_path / "native")
+    assert native.quantization == held.quantization and len(native.quantization["layers"]) == len(types) - 1  # F16 stays float
+    assert {n: type(m) for n, m in native.named_modules()} == {n: type(m) for n, m in held.named_modules()}
+    assert native.state_dict().keys() == held.state_dict().keys()
+    assert all(torch.equal(t, held.state_dict()[name]) and t.dtype == held.state_dict()[name].dtype
+               for name, t in native.state_dict().items())
+    assert (native.output is native.tok_embeddings.table) == tied
+    stored = (tmp_path / "native" / "model.safetensors").stat().st_size
+    assert stored < 1.15 * sum(t.numel() * t.element_size() for t in {t.data_ptr(): t for t in held.state_dict().values()}.values())
+    with torch.inference_mode():
+        assert torch.equal(native(PROMPT), held(PROMPT))
+    from_native = dequantize(load_checkpoint(tmp_path / "native", dtype=torch.float32)).state_dict()  # as --init-from takes it
+    layers = {name: layer.dequantize(torch.float32) for name, layer in held.named_modules() if hasattr(layer, "dequantize")}
+    assert torch.equal(from_native["tok_embeddings.weight"], layers["tok_embeddings.table"])
+    assert all(torch.equal(from_native[name + ".weight"], weight) for name, weight in layers.items() if name != "tok_embeddings.table")
+
+
+def test_a_native_record_that_does_not_fit_its_model_is_refused_in_one_line(q4_k_m, tmp_path):
+    import json
+
+    from llama_mini.formats.convert import convert
+
+    convert(q4_k_m[0], tmp_path / "native", "native")
+    config = tmp_path / "native" / "config.json"
+    fields = json.loads(config.read_text())
+    for edit, message in ((lambda q: q["layers"].update({"layers.9.attention.wq": q["layers"]["output"]}), "not a matrix of this model"),
+                          (lambda q: q["layers"]["output"].update(layer="int3"), "a record of a GGUF file's layers that llama_mini does not know"),
+                          (lambda q: q["layers"]["layers.0.attention.wq"].update(super_group_size=0), "does not fit the config")):
+        record = json.loads(json.dumps(fields))
+        edit(record["quantization"])
+        config.write_text(json.dumps(record))
+        with pytest.raises(ValueError, match=message):
+            load_checkpoint(tmp_path / "native")
+    for format in ("hf", "meta"):
+        with pytest.raises(ValueError, match="saved in the native format only"):
+            save_checkpoint(load_checkpoint(q4_k_m[0]), tmp_path / format, format=format)
 
 
 
