@@ -48,7 +48,7 @@ FINGERPRINTS = {
     "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
     "quant.layers:Int4Linear.dequantize": "7aa01d0d5aeffaf2",
     "quant.layers:Int4Linear.codes": "de8c10939a988929",
-    "quant.layers:Int4Linear.group_scales_and_offsets": "fb106e93d9c0ebd2",
+    "quant.layers:Int4Linear.group_scales_and_offsets": "9705d4d778e033c7",
     "quant.layers:Int4Linear.factored": "dd9a55d55579b8a1",
     "quant.k_quants:Int5Linear.forward": "207fbc6f4f6086ac",
     "quant.k_quants:Int5Linear.dequantize": "fac616edef2efd45",

@@ -125,7 +125,7 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
     def kernel(self, ops, x):
         if self.super_group_size:
             return ops.linear_int4(x, self.weight, self.scales, self.offsets, self.super_scales, self.super_offsets)
-        return ops.linear_int4(x, self.weight, self.scales, self.offsets)
+        return ops.linear_int4(x, self.weight, self.scales, None if self.symmetric else self.offsets)
 
 
 class KernelInt5Linear(IntegerKernel, Int5Linear):
@@ -163,7 +163,8 @@ def kernel_operands(linear):
         operands = (linear.weight, linear.scales, None, None, None) if linear.rows_of_8 else None
     elif isinstance(linear, Int4Linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
-        operands = (linear.weight, linear.scales, linear.offsets, *supers) if linear.rows_of_8 else None
+        offsets = None if linear.symmetric else linear.offsets
+        operands = (linear.weight, linear.scales, offsets, *supers) if linear.rows_of_8 else None
     elif isinstance(linear, Int5Linear):
         operands = (linear.weight, linear.scales, linear.offsets, linear.super_scales, linear.super_offsets)
     elif isinstance(linear, Int6Linear):

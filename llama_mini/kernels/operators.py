@@ -126,6 +126,8 @@ def _self_check(ops) -> None:
                  xq @ (codes.double() * halves.double().repeat_interleave(32, dim=1)).t()),
                 (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(offsets)), xq @ int4.t()),
                 (ops.linear_int4(x, pack_int4(nibbles), *map(interleave_rows, (*factors, *supers))), xq @ factored.t()),
+                (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), None),  # symmetric: offsets -8 scales
+                 xq @ ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None]).flatten(-2).t()),
                 (ops.linear_int6(x6, *int6_operands), quantized_activations(x6).double() @ int6.t()),
                 (ops.linear_int6(x6[:3], *int6_operands), quantized_activations(x6[:3]).double() @ int6.t()),
                 (ops.linear_int5(x6, *int5_operands), quantized_activations(x6).double() @ int5.t()),

@@ -5,7 +5,7 @@ Where a GGUF type's blocks are one of the layers' forms, its codes and scales ar
 as they are, and the layer's dequantized weights equal the file's (as gguf.quants, llama.cpp's
 own code, dequantizes them), value for value:
 - Q8_0 -> int8: blocks of 32, w = d q. Q5_0 -> int8 too: w = d (q - 16), codes q - 16.
-- Q4_0 -> int4, groups of 32: w = d (q - 8) = q d + (-8 d).
+- Q4_0 -> symmetric int4, groups of 32: w = d (q - 8), the offset -8 d held by none.
 - Q4_1 -> int4: w = q d + m.
 - Q4_K -> int4 with factored scales and offsets: each sub-block of 32 has w = q (d sc) - dmin m,
   and the layer holds d and -dmin per super-block of 256 (float32) and sc and m per group
@@ -16,7 +16,7 @@ own code, dequantizes them), value for value:
 - Q6_K -> int6, as the file holds it: w = (d sc) (q - 32), 6-bit codes in sub-blocks of 16 with
   an int8 sc each, d per super-block of 256 (float32): 6.63 bits a weight for Q6_K's 6.56.
 Q8_0's, Q5_0's, Q4_0's and Q4_1's scales and offsets are the file's 16-bit floats, held as they
-are (Q4_0's offset -8 d too, exact in float16 but where it overflows: such a file is refused).
+are.
 
 The other types (Q5_1, Q2_K, Q3_K) are dequantized by gguf.quants and rounded to
 int8 in blocks of 32, the layer that adds the least error: at most half a step, about a block's
@@ -49,7 +49,7 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
         if kind == T.Q4_K:
             layer = Int4Linear(in_features, out_features, 32, torch.float32, super_group_size=256)
         else:
-            layer = Int4Linear(in_features, out_features, 32, torch.float16)
+            layer = Int4Linear(in_features, out_features, 32, torch.float16, symmetric=kind == T.Q4_0)
         convert = _INT4[kind]
     elif kind in EXACT_K and out_features % ROW_SET == 0:
         layer = (Int5Linear if kind == T.Q5_K else Int6Linear)(in_features, out_features)
@@ -69,6 +69,8 @@ def held_bytes(kind: T, shape) -> int:
     n, blocks = out_features * in_features, out_features * -(-in_features // 32)
     if kind == T.Q4_K and out_features % ROW_SET == 0:  # codes two a byte, uint8 factors per group, float32 per 256
         return n // 2 + 2 * blocks + 2 * 4 * (n // 256)
+    if kind == T.Q4_0 and out_features % ROW_SET == 0:
+        return n // 2 + 2 * blocks  # codes two a byte, a float16 scale per group of 32 (the offset is -8 times it)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         return n // 2 + 2 * 2 * blocks  # codes two a byte, a float16 scale and offset per group of 32
     if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float32 per 256
@@ -110,12 +112,7 @@ def _q5_0(rows, k):
 
 def _q4_0(rows, k):
     b = _blocks(rows, T.Q4_0)
-    d = _half(b[..., :2])
-    offsets = -8 * d
-    if (offsets.isinf() & d.isfinite()).any():
-        raise ValueError(f"a Q4_0 block's scale is over {65504 / 8:g}, and its weights are beyond a 16-bit float's range "
-                         "(run the file with --dtype float32)")
-    return _nibbles(b[..., 2:]).reshape(len(rows), k), d, offsets
+    return _nibbles(b[..., 2:]).reshape(len(rows), k), _half(b[..., :2])
 
 
 def _q4_1(rows, k):

@@ -7,7 +7,7 @@ and group size cannot describe it. Its checkpoint's record names the layer each 
 in, and the few numbers that fix its buffers' shapes and dtypes:
 
     "quantization": {"method": "gguf", "layers": {"layers.0.attention.wq": {"layer": "int4",
-        "dtype": "float32", "group_size": 32, "super_group_size": 256}, ...}}
+        "dtype": "float32", "group_size": 32, "super_group_size": 256, "symmetric": false}, ...}}
 
 Matrices it does not name are float, as the file held them.
 """
@@ -30,7 +30,7 @@ def layer_record(layer: nn.Module) -> dict:
     floats = layer.super_scales if getattr(layer, "super_group_size", 0) else layer.scales
     record = {"layer": "int8" if isinstance(layer, Int8Linear) else "int4", "dtype": str(floats.dtype).removeprefix("torch.")}
     if isinstance(layer, Int4Linear):
-        record.update(group_size=layer.group_size, super_group_size=layer.super_group_size)
+        record.update(group_size=layer.group_size, super_group_size=layer.super_group_size, symmetric=layer.symmetric)
     return record
 
 
@@ -45,8 +45,9 @@ def is_layer_record(record) -> bool:
     if kind == "int8":
         return record.keys() == {"layer", "dtype"} and dtype_known
     sizes = record.get("group_size"), record.get("super_group_size")
-    return (kind == "int4" and record.keys() == {"layer", "dtype", "group_size", "super_group_size"} and dtype_known
-            and all(type(size) is int for size in sizes) and sizes[0] in INT4_GROUP_SIZES and sizes[1] in SUPER_GROUP_SIZES)
+    return (kind == "int4" and record.keys() == {"layer", "dtype", "group_size", "super_group_size", "symmetric"} and dtype_known
+            and all(type(size) is int for size in sizes) and sizes[0] in INT4_GROUP_SIZES and sizes[1] in SUPER_GROUP_SIZES
+            and type(record["symmetric"]) is bool and not (record["symmetric"] and sizes[1]))
 
 
 def empty_layer(record: dict, in_features: int, out_features: int) -> nn.Module:
@@ -56,7 +57,7 @@ def empty_layer(record: dict, in_features: int, out_features: int) -> nn.Module:
         return Int8Linear(in_features, out_features, DTYPES[record["dtype"]])
     if kind == "int4":
         return Int4Linear(in_features, out_features, record["group_size"], DTYPES[record["dtype"]],
-                          super_group_size=record["super_group_size"])
+                          super_group_size=record["super_group_size"], symmetric=record["symmetric"])
     return (Int5Linear if kind == "int5" else Int6Linear)(in_features, out_features)
 
 

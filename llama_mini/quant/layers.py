@@ -34,6 +34,8 @@ pass that reads each code once, where dequantizing first writes and reads a floa
 step. state_dict gives the stored layout either way.
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,6 +45,7 @@ from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_in
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
+SYMMETRIC_ZERO = 8  # the code that stands for 0 in a symmetric int4 group (Q4_0's)
 # With torch's AVX2 CPU code the compiled loops are eight floats wide and read int8 codes eight
 # at a time through a buffer, three times slower than float; one_row then reads the codes as
 # int32 words, eight a vector. With its AVX-512 code the bytes read directly are faster.
@@ -188,19 +191,21 @@ class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
     each with a scale and an offset, rows in sets of eight (layout.py) or, once hold_plain_rows is
     called, plain rows of two codes a byte. With super_group_size, scales and offsets are uint8
-    factors of float32 super_scales and super_offsets, one per super-group of inputs."""
+    factors of float32 super_scales and super_offsets, one per super-group of inputs. Symmetric,
+    each group's offset is -8 times its scale (llama.cpp's Q4_0: w = d (q - 8)), so none is held."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
-                 dtype=torch.float32, device=None, super_group_size: int = 0):
+                 dtype=torch.float32, device=None, super_group_size: int = 0, symmetric: bool = False):
         super().__init__()
         check_int4_shape(in_features, out_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.rows_of_8, self.super_group_size = True, super_group_size
+        self.rows_of_8, self.super_group_size, self.symmetric = True, super_group_size, symmetric
         sets, groups = out_features // ROW_SET, in_features // group_size
         factors = torch.uint8 if super_group_size else dtype
         self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))
         self.register_buffer("scales", torch.empty(sets, groups * ROW_SET, dtype=factors, device=device))
-        self.register_buffer("offsets", torch.empty(sets, groups * ROW_SET, dtype=factors, device=device))
+        if not symmetric:
+            self.register_buffer("offsets", torch.empty(sets, groups * ROW_SET, dtype=factors, device=device))
         if super_group_size:
             supers = in_features // super_group_size
             self.register_buffer("super_scales", torch.empty(sets, supers * ROW_SET, dtype=dtype, device=device))
@@ -215,21 +220,26 @@ class Int4Linear(nn.Module):
             layer.store_rows(rows.start, *quantize_int4(weight[rows].to(layer.scales.device, layer.scales.dtype), group_size))
         return layer
 
-    def store_rows(self, start: int, codes, scales, offsets, super_scales=None, super_offsets=None) -> None:
-        """Rows start .. start + len(codes) (multiples of eight) of from_codes' arguments."""
+    def store_rows(self, start: int, codes, scales, offsets=None, super_scales=None, super_offsets=None) -> None:
+        """Rows start .. start + len(codes) (multiples of eight) of from_codes' arguments (offsets
+        None where symmetric)."""
         sets = slice(start // ROW_SET, (start + len(codes)) // ROW_SET)
-        self.weight[sets], self.scales[sets], self.offsets[sets] = pack_int4(codes), interleave_rows(scales), interleave_rows(offsets)
+        self.weight[sets], self.scales[sets] = pack_int4(codes), interleave_rows(scales)
+        if not self.symmetric:
+            self.offsets[sets] = interleave_rows(offsets)
         if super_scales is not None:
             self.super_scales[sets], self.super_offsets[sets] = interleave_rows(super_scales), interleave_rows(super_offsets)
 
     @classmethod
-    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor,
+    def from_codes(cls, codes: torch.Tensor, scales: torch.Tensor, offsets: Optional[torch.Tensor],
                    group_size: int = DEFAULT_GROUP_SIZE, super_scales=None, super_offsets=None) -> "Int4Linear":
-        """The layer of codes 0..15 as uint8 (out, in) and scales and offsets (out, in / group_size);
-        with super_scales and super_offsets (out, super-groups), the latter are their uint8 factors."""
+        """The layer of codes 0..15 as uint8 (out, in) and scales and offsets (out, in / group_size),
+        symmetric where offsets is None; with super_scales and super_offsets (out, super-groups),
+        the latter are their uint8 factors."""
         factored = super_scales is not None
         dtype, super_group_size = (super_scales.dtype, codes.shape[1] // super_scales.shape[1]) if factored else (scales.dtype, 0)
-        layer = cls(codes.shape[1], codes.shape[0], group_size, dtype, device=codes.device, super_group_size=super_group_size)
+        layer = cls(codes.shape[1], codes.shape[0], group_size, dtype, device=codes.device, super_group_size=super_group_size,
+                    symmetric=offsets is None)
         layer.store_rows(0, codes, scales, offsets, super_scales, super_offsets)
         return layer
 
@@ -243,10 +253,14 @@ class Int4Linear(nn.Module):
         return float_dtype_of(self.super_scales if self.super_group_size else self.scales)
 
     def group_scales_and_offsets(self):
-        """(scales, offsets), each (out_features, groups); factored ones multiplied out in float32."""
+        """(scales, offsets), each (out_features, groups); factored ones multiplied out in float32,
+        symmetric ones' offsets -8 times their scales, in float32 (exact)."""
+        scales = deinterleave_rows(self.scales) if self.rows_of_8 else self.scales
+        if self.symmetric:
+            return scales, scales.float() * -SYMMETRIC_ZERO
         if not self.rows_of_8:
             return self.scales, self.offsets
-        scales, offsets = deinterleave_rows(self.scales), deinterleave_rows(self.offsets)
+        offsets = deinterleave_rows(self.offsets)
         if self.super_group_size:
             scales, offsets = (self.factored(t, deinterleave_rows(s)) for t, s in ((scales, self.super_scales),
                                                                                  (offsets, self.super_offsets)))
@@ -269,12 +283,14 @@ class Int4Linear(nn.Module):
         if self.rows_of_8:  # row 8p + j: bytes 4j..4j+3 of each run of 32 in set p (layout.py)
             words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
             codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
-            scales, offsets = rows_of_sets(self.scales, ids), rows_of_sets(self.offsets, ids)
+            scales = rows_of_sets(self.scales, ids)
+            offsets = scales.float() * -SYMMETRIC_ZERO if self.symmetric else rows_of_sets(self.offsets, ids)
             if self.super_group_size:
                 scales = self.factored(scales, rows_of_sets(self.super_scales, ids))
                 offsets = self.factored(offsets, rows_of_sets(self.super_offsets, ids))
         else:
-            codes, scales, offsets = unpack_int4_rows(self.weight[ids]), self.scales[ids], self.offsets[ids]
+            codes, scales = unpack_int4_rows(self.weight[ids]), self.scales[ids]
+            offsets = scales.float() * -SYMMETRIC_ZERO if self.symmetric else self.offsets[ids]
         w = codes.reshape(len(ids), -1, self.group_size).float()
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
         return w.view(len(ids), -1).to(dtype or self.float_dtype)
@@ -283,7 +299,9 @@ class Int4Linear(nn.Module):
         """Codes two a byte (out_features, in_features / 2, layout.pack_int4_rows), scales and
         offsets (out_features, groups) from now on: factored ones multiplied out."""
         if self.rows_of_8:
-            codes, (self.scales, self.offsets) = self.codes(), self.group_scales_and_offsets()
+            codes, (self.scales, offsets) = self.codes(), self.group_scales_and_offsets()
+            if not self.symmetric:
+                self.offsets = offsets
             self.weight, self.rows_of_8 = pack_int4_rows(codes), False
             if self.super_group_size:
                 del self.super_scales, self.super_offsets
@@ -301,7 +319,7 @@ class Int4Linear(nn.Module):
         x = stored(xq, (1, groups, self.group_size // BLOCK, 2, BLOCK // 2))
         products = ((nibbles & 0x0F).float() * x[..., 0, :] + (nibbles >> 4).float() * x[..., 1, :]).sum((2, 3))
         x_sums = x.sum((2, 3, 4))
-        return (products * self.scales.float() + x_sums * self.offsets.float()).sum(1)
+        return (products * self.scales.float() + x_sums * self.plain_offsets()).sum(1)
 
     def one_row_by_words(self, xq: torch.Tensor) -> torch.Tensor:
         """one_row with the codes read as int32 words, eight a vector (64 inputs): byte j of word
@@ -314,20 +332,26 @@ class Int4Linear(nn.Module):
         products = sum(((words >> 8 * j) & 0x0F).float() * x[0, j] + ((words >> 8 * j + 4) & 0x0F).float() * x[1, j]
                        for j in range(4))
         x_sums = stored(xq, (k // group, group)).sum(1)
-        return (products * scales).sum((1, 2)) + (self.offsets.float() * x_sums).sum(1)
+        return (products * scales).sum((1, 2)) + (self.plain_offsets() * x_sums).sum(1)
+
+    def plain_offsets(self) -> torch.Tensor:
+        """The offsets of plain rows, float32 (out_features, groups)."""
+        return self.scales.float() * -SYMMETRIC_ZERO if self.symmetric else self.offsets.float()
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
         if not self.rows_of_8:
             scales, offsets = self.group_scales_and_offsets()
-            destination.update({prefix + "weight": pack_int4(self.codes()), prefix + "scales": interleave_rows(scales),
-                                prefix + "offsets": interleave_rows(offsets)})
+            destination.update({prefix + "weight": pack_int4(self.codes()), prefix + "scales": interleave_rows(scales)})
+            if not self.symmetric:
+                destination[prefix + "offsets"] = interleave_rows(offsets)
 
     def forward(self, x):
         return quantized_linear(self, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}"
+        symmetric = ", symmetric" if self.symmetric else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {self.group_size}{symmetric}"
 
 
 def rows_of_sets(t: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

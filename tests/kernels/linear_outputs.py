@@ -1,4 +1,4 @@
-"""The integer layers' outputs (int8, int4, and GGUF's int5 and int6) on fixed inputs (float32 and bfloat16 activations; tails of rows
+"""The integer layers' outputs (int8, int4, symmetric too, and GGUF's int5 and int6) on fixed inputs (float32 and bfloat16 activations; tails of rows
 and tiles), for comparing builds of the kernels for two instruction sets: their sums are exact
 integers, then the same float32 steps in the same order, on either. (The dense layers sum in
 sixteen lanes with AVX-512 and eight with AVX2: the same function, other roundings.)"""
@@ -18,6 +18,7 @@ def linear_outputs(ops) -> list:
         factors = torch.randint(0, 64, (2, 72, 8), generator=g, dtype=torch.uint8)  # K-quants' factored scales and offsets
         factored = Int4Linear.from_codes(int4.codes(), *factors, 32, torch.rand(72, 1, generator=g), -torch.rand(72, 1, generator=g))
         outputs += [ops.linear_int8(x, int8.weight, int8.scales), ops.linear_int4(x, int4.weight, int4.scales, int4.offsets),
+                    ops.linear_int4(x, int4.weight, int4.scales, None),  # symmetric (GGUF's Q4_0): offsets -8 scales
                     ops.linear_int4(x, factored.weight, factored.scales, factored.offsets, factored.super_scales,
                                     factored.super_offsets)]
         int5, int6 = Int5Linear(256, 72), Int6Linear(256, 72)  # GGUF's Q5_K and Q6_K

@@ -167,6 +167,29 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
     close(got, quantized_activations(x).double() @ w.t(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+def test_symmetric_int4_matches_float64_with_offsets_minus_8_scales(ops, dtype, rows):
+    """llama.cpp's Q4_0 as Int4Linear holds it, no offsets: w = d (q - 8), d float16 and over
+    8188 too (where -8 d would overflow a float16 offset), computed in float32."""
+    from llama_mini.quant.layers import Int4Linear
+
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 768, generator=g) * 1e-3).to(dtype)
+    codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
+    codes[3], codes[4] = 0, 15  # the extremes
+    d = (torch.rand(48, 24, generator=g) * 1e-2).half()
+    d[5, 2] = 30000.0
+    layer = Int4Linear.from_codes(codes, d, None)
+    assert layer.symmetric and not hasattr(layer, "offsets")
+    w = ((codes.double() - 8).unflatten(-1, (24, 32)) * d.double()[..., None]).flatten(-2)
+    assert torch.equal(layer.dequantize(torch.float64), w)
+    got, xq = ops.linear_int4(x, layer.weight, layer.scales, None).double(), quantized_activations(x).double()
+    close(got[:, 6:], xq @ w[6:].t(), dtype)
+    terms = xq.abs() @ w[:6].abs().t()  # row 5's products are large: float32 error in their size
+    assert ((got[:, :6] - xq @ w[:6].t()).abs() <= 1e-5 * terms + (0 if dtype == torch.float32 else 8e-3 * terms)).all()
+
+
 def int5_layer(n, k, g):
     """llama.cpp's Q5_K as Int5Linear holds it: codes 0..31 (all 0 and all 31 in two rows), uint8
     factors per group of 32 (the largest, 255, too), float32 d and -dmin per 256."""

@@ -28,12 +28,18 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = [(Int8Linear, {}), (Int4Linear, {"group_size": 32}), (Int4Linear, {"group_size": 64}),
-          (Int4Linear, {"group_size": 128})]
+          (Int4Linear, {"group_size": 128}), (Int4Linear, {"symmetric": True})]
 
 
 def layer_of(kind, options, seed=0, shape=(48, 256)):
     g = torch.Generator().manual_seed(seed)
-    return kind.from_weight(torch.randn(*shape, generator=g) * torch.logspace(-2, 0, shape[0])[:, None], **options)
+    weight = torch.randn(*shape, generator=g) * torch.logspace(-2, 0, shape[0])[:, None]
+    if options.get("symmetric"):  # GGUF's Q4_0: w = d (q - 8), no offsets held
+        blocks = weight.unflatten(-1, (-1, 32))
+        d = (blocks.abs().amax(-1) / 8).half()
+        codes = torch.round(blocks / d.float()[..., None] + 8).clamp(0, 15).to(torch.uint8).flatten(1)
+        return Int4Linear.from_codes(codes, d, None)
+    return kind.from_weight(weight, **options)
 
 
 def test_int4_plain_rows_hold_input_j_and_16_plus_j_of_each_block_in_one_byte():

@@ -46,7 +46,8 @@ extern "C" void linear_int8(const int8_t* xq, const float* xd, const int32_t* xs
 // the eight rows of a set side by side. Factored (super_scales not null, llama.cpp's K-quants):
 // scales and offsets are uint8 factors, and a group's scale is its factor times super_scales'
 // value for its super-group of `super_group` inputs (offsets likewise), in float32;
-// super_scales and super_offsets are (n / 8, k / super_group, 8), of scales_type.
+// super_scales and super_offsets are (n / 8, k / super_group, 8), of scales_type. Symmetric
+// (offsets null, llama.cpp's Q4_0): each group's offset is -8 times its scale.
 extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
                             const void* scales, const void* offsets, const void* super_scales,
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,

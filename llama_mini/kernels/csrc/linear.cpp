@@ -474,6 +474,14 @@ struct Int4Format {
     }
 };
 
+// Symmetric int4 (llama.cpp's Q4_0): no offsets held, each group's is -8 times its scale, exact in float32.
+struct SymmetricInt4Format : Int4Format {
+    Scales scales_of(int64_t first, int64_t second, int64_t b) const {
+        const Floats16 s = set_pair_scales(scales, scale_type, first, second, groups, b / per_group);
+        return {s, mul(s, Floats16::all(-8.0f))};
+    }
+};
+
 // int4 with factored scales and offsets (llama.cpp's K-quants): a group's are its uint8
 // factors times its super-group's floats (of scale_type), multiplied in float32 as quant/layers.py does.
 struct FactoredInt4Format : Int4Format {
@@ -750,7 +758,9 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
                             int64_t k, int64_t group, int scales_type, int y_type, int threads) {
     const Int4Format format{scales, offsets, scales_type, k / group, group / BLOCK};
-    if (!super_scales) {
+    if (!offsets) {
+        integer_linear({xq, xd, xsum}, SymmetricInt4Format{format}, codes, y, rows, n, k, y_type, threads);
+    } else if (!super_scales) {
         integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_type, threads);
     } else if (rows < FACTORED_ROWS) {
         integer_linear({xq, xd, xsum}, FactoredInt4Format{format, super_scales, super_offsets, k / super_group, super_group / group},

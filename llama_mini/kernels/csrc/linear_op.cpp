@@ -111,21 +111,22 @@ at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tens
     return call.y;
 }
 
-at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets) {
     TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % 128 == 0,
                 "llama_mini::linear_int4: contiguous uint8 codes (rows / 8, 4 * inputs), inputs a multiple of 32");
     const int64_t n = codes.size(0) * 8, k = codes.size(1) / 4;
     const int64_t width = scales.dim() == 2 ? scales.size(1) : 0;  // groups * 8
     TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && (k == 0 || width >= 8) && width % 8 == 0 &&
-                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.sizes() == offsets.sizes() &&
-                    scales.is_contiguous() && offsets.is_contiguous() && scales.scalar_type() == offsets.scalar_type(),
+                    (k == 0 || (k % (width / 8) == 0 && (k / (width / 8)) % 32 == 0)) && scales.is_contiguous() &&
+                    (!offsets || (scales.sizes() == offsets->sizes() && offsets->is_contiguous() &&
+                                  scales.scalar_type() == offsets->scalar_type())),
                 "llama_mini::linear_int4: scales and offsets (rows / 8, groups * 8), groups a multiple of 32 inputs");
     const int64_t group = k == 0 ? 32 : k / (width / 8);
     const void* supers[2] = {nullptr, nullptr};
     int64_t super_group = 0;
     if (super_scales || super_offsets) {
-        TORCH_CHECK(super_scales && super_offsets && scales.scalar_type() == at::kByte, "llama_mini::linear_int4: factored "
+        TORCH_CHECK(super_scales && super_offsets && offsets && scales.scalar_type() == at::kByte, "llama_mini::linear_int4: factored "
                     "scales and offsets are uint8, with both super_scales and super_offsets");
         const at::Tensor& s = *super_scales;
         const int64_t super_width = s.dim() == 2 ? s.size(1) : 0;
@@ -140,7 +141,7 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     const int dtype = float_type(supers[0] ? *super_scales : scales, "the scales");
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr(), offsets.const_data_ptr(), supers[0], supers[1], super_group,
+                  scales.const_data_ptr(), offsets ? offsets->const_data_ptr() : nullptr, supers[0], supers[1], super_group,
                   call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, float_type(call.y, "the input"),
                   threads_for(call.rows, n, k));
     return call.y;
@@ -192,7 +193,7 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("matvec_available() -> bool", &llama_mini::available);
     m.def("linear_dense(Tensor x, Tensor weight) -> Tensor");
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
-    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor? super_scales=None, "
+    m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? super_scales=None, "
           "Tensor? super_offsets=None) -> Tensor");
     m.def("linear_int5(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor super_scales, Tensor super_offsets) -> Tensor");
     m.def("linear_int6(Tensor x, Tensor codes, Tensor scales, Tensor super_scales) -> Tensor");

@@ -13,7 +13,7 @@ namespace llama_mini {
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, int64_t n_rms, int64_t vector_bytes);
 at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);
-at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
+at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets);
 at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                    const at::Tensor& super_scales, const at::Tensor& super_offsets);
