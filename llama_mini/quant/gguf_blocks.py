@@ -104,10 +104,11 @@ def _q8_0(rows, k):
 def _q5_0(rows, k):
     """Q5_0: d, 4 bytes of high bits, 16 bytes of low nibbles; code j's fifth bit is bit j."""
     b = _blocks(rows, T.Q5_0)
-    high = b[..., 2:6].contiguous().view(torch.int32)  # bit j: code j's fifth bit
-    fifth = (high >> torch.arange(32, dtype=torch.int32)) & 1
-    codes = _nibbles(b[..., 6:]).flatten(-2).to(torch.int32) | (fifth << 4)
-    return (codes - 16).to(torch.int8).reshape(len(rows), k), _half(b[..., :2])
+    codes = as_words(_nibbles(b[..., 6:])).view(len(rows), -1, 8)  # word w: codes 4w .. 4w + 3
+    bits = as_words(b[..., 2:6]) >> torch.arange(0, 32, 4, dtype=torch.int32)  # word w's four fifth bits at 0..3
+    for u in range(4):  # code 4w + u's fifth bit to bit 4 of byte u
+        codes |= ((bits >> u) & 1) << (8 * u + 4)
+    return codes.view(torch.uint8).sub_(16).view(torch.int8).view(len(rows), k), _half(b[..., :2])
 
 
 def _q4_0(rows, k):
