@@ -121,24 +121,35 @@ def _q4_1(rows, k):
     return _nibbles(b[..., 4:]).reshape(len(rows), k), _half(b[..., :2]), _half(b[..., 2:4])
 
 
+def _scales_and_mins(q: torch.Tensor):
+    """The 12 bytes of Q4_K's and Q5_K's 6-bit sub-block scales and mins (rows, supers, 12) ->
+    (scales, mins), uint8 (rows, supers * 8), as llama.cpp's get_scale_min_k4 unpacks them: sub-
+    block j < 4 in the low 6 bits of bytes j and 4 + j, j >= 4 in byte 4 + j's nibbles with the
+    top 2 bits of bytes j - 4 and j."""
+    low, mid, high = q[..., 0:4], q[..., 4:8], q[..., 8:12]
+    scales = torch.cat((low & 63, (high & 0x0F) | (low >> 6 << 4)), -1)
+    mins = torch.cat((mid & 63, (high >> 4) | (mid >> 6 << 4)), -1)
+    return scales.reshape(len(q), -1), mins.reshape(len(q), -1)
+
+
 def _q4_k(rows, k):
-    """Q4_K: super-blocks of 256, d, dmin, 12 bytes of 6-bit sub-block scales and mins (unpacked
-    by gguf's own code), and 128 bytes: run c of 32 holds sub-block 2c in its low nibbles and
-    2c + 1 in its high ones. -> codes, the factors sc and m, d and -dmin."""
+    """Q4_K: super-blocks of 256, d, dmin, 12 bytes of 6-bit sub-block scales and mins, and 128
+    bytes: run c of 32 holds sub-block 2c in its low nibbles and 2c + 1 in its high ones. ->
+    codes, the factors sc and m, d and -dmin."""
     b = _blocks(rows, T.Q4_K)
     n, supers = len(rows), b.shape[1]
-    sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
+    sc, m = _scales_and_mins(b[..., 4:16])
     codes = _nibbles(b[..., 16:].reshape(n, supers, 4, 32)).reshape(n, k)
     return codes, sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
 
 
 def _q5_k(rows, k):
-    """Q5_K: super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-block scales and mins (unpacked
-    by gguf's own code), 32 bytes of fifth bits (byte j: input 32i + j's in bit i) and Q4_K's 128
-    bytes of low nibbles. -> codes, sc, m, d and -dmin."""
+    """Q5_K: super-blocks of 256: d, dmin, 12 bytes of 6-bit sub-block scales and mins, 32 bytes
+    of fifth bits (byte j: input 32i + j's in bit i) and Q4_K's 128 bytes of low nibbles. ->
+    codes, sc, m, d and -dmin."""
     b = _blocks(rows, T.Q5_K)
     n, supers = len(rows), b.shape[1]
-    sc, m = (torch.from_numpy(t.astype(np.uint8)).view(n, -1) for t in quants.Q4_K.get_scale_min(b[..., 4:16].reshape(-1, 12).numpy()))
+    sc, m = _scales_and_mins(b[..., 4:16])
     codes = as_words(_nibbles(b[..., 48:].reshape(n, supers, 4, 32))).view(n, supers, 8, 8)  # ..., sub-block, words of 4
     fifth = as_words(b[..., 16:48]).view(n, supers, 1, 8) >> torch.arange(8, dtype=torch.int32)[:, None]
     codes |= fifth.bitwise_and_(0x01010101).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
