@@ -120,7 +120,8 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
 
     layer = "int4 kernel"
     computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("forward", "dequantize", "codes",
-                                                                                  "group_scales_and_offsets", "factored"))
+                                                                                  "group_scales_and_offsets", "factored",
+                                                                                  "symmetric_offsets"))
 
     def kernel(self, ops, x):
         if self.super_group_size:

@@ -45,7 +45,6 @@ from .layout import (BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_in
 
 INT4_GROUP_SIZES = (32, 64, 128)
 DEFAULT_GROUP_SIZE = 32
-SYMMETRIC_ZERO = 8  # the code that stands for 0 in a symmetric int4 group (Q4_0's)
 # With torch's AVX2 CPU code the compiled loops are eight floats wide and read int8 codes eight
 # at a time through a buffer, three times slower than float; one_row then reads the codes as
 # int32 words, eight a vector. With its AVX-512 code the bytes read directly are faster.
@@ -257,7 +256,7 @@ class Int4Linear(nn.Module):
         symmetric ones' offsets -8 times their scales, in float32 (exact)."""
         scales = deinterleave_rows(self.scales) if self.rows_of_8 else self.scales
         if self.symmetric:
-            return scales, scales.float() * -SYMMETRIC_ZERO
+            return scales, self.symmetric_offsets(scales)
         if not self.rows_of_8:
             return self.scales, self.offsets
         offsets = deinterleave_rows(self.offsets)
@@ -284,13 +283,13 @@ class Int4Linear(nn.Module):
             words = self.weight.view(torch.int32).view(len(self.weight), -1, ROW_SET)[ids // ROW_SET, :, ids % ROW_SET]
             codes = torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), -1).view(torch.uint8)
             scales = rows_of_sets(self.scales, ids)
-            offsets = scales.float() * -SYMMETRIC_ZERO if self.symmetric else rows_of_sets(self.offsets, ids)
+            offsets = self.symmetric_offsets(scales) if self.symmetric else rows_of_sets(self.offsets, ids)
             if self.super_group_size:
                 scales = self.factored(scales, rows_of_sets(self.super_scales, ids))
                 offsets = self.factored(offsets, rows_of_sets(self.super_offsets, ids))
         else:
             codes, scales = unpack_int4_rows(self.weight[ids]), self.scales[ids]
-            offsets = scales.float() * -SYMMETRIC_ZERO if self.symmetric else self.offsets[ids]
+            offsets = self.symmetric_offsets(scales) if self.symmetric else self.offsets[ids]
         w = codes.reshape(len(ids), -1, self.group_size).float()
         w.mul_(scales.float()[..., None]).add_(offsets.float()[..., None])
         return w.view(len(ids), -1).to(dtype or self.float_dtype)
@@ -336,7 +335,12 @@ class Int4Linear(nn.Module):
 
     def plain_offsets(self) -> torch.Tensor:
         """The offsets of plain rows, float32 (out_features, groups)."""
-        return self.scales.float() * -SYMMETRIC_ZERO if self.symmetric else self.offsets.float()
+        return self.symmetric_offsets(self.scales) if self.symmetric else self.offsets.float()
+
+    @staticmethod
+    def symmetric_offsets(scales: torch.Tensor) -> torch.Tensor:
+        """A symmetric layer's offsets (Q4_0's, w = d (q - 8)): -8 times its scales, in float32, exact."""
+        return scales.float() * -8
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)

@@ -345,6 +345,32 @@ def test_an_edited_int5_or_int6_definition_runs_as_edited_with_the_kernel_left_o
     fingerprints.notice_changed.cache_clear()
 
 
+def test_an_edited_q4_0_offset_runs_as_edited_with_the_int4_kernel_left_off(monkeypatch, caplog):
+    """The int4 kernel computes a symmetric layer's offsets as -8 times its scales, as
+    Int4Linear.symmetric_offsets does: edit that, and the layer runs the edit, said in one line."""
+    import logging
+
+    from llama_mini.kernels import fingerprints
+    from llama_mini.kernels.operators import operators
+    from llama_mini.quant.layers import quantized_activations
+
+    if operators() is None:
+        pytest.skip("no CPU kernels on this machine")
+    layer = layer_from_blocks(T.Q4_0, blocks_of(T.Q4_0, SHAPE), SHAPE)
+    x = torch.randn(3, SHAPE[1], generator=torch.Generator().manual_seed(0))
+    monkeypatch.setattr(Int4Linear, "symmetric_offsets", staticmethod(lambda scales: scales.float() * -7))
+    fingerprints.notice_changed.cache_clear()
+    caplog.set_level(logging.WARNING, logger="llama_mini")
+    fast = use_cpu_kernels(torch.nn.Sequential(layer))[0]
+    with torch.inference_mode():
+        got, edited = fast(x), quantized_activations(x) @ layer.dequantize(torch.float32).t()
+    assert type(fast) is Int4Linear and torch.allclose(got, edited, rtol=1e-4, atol=1e-4)
+    assert (layer.dequantize(torch.float32) - files_weights(T.Q4_0, blocks_of(T.Q4_0, SHAPE), SHAPE)).abs().amax() > 0
+    assert any("Int4Linear.symmetric_offsets in llama_mini/quant/layers.py" in r.getMessage() and "left off" in r.getMessage()
+               for r in caplog.records)
+    fingerprints.notice_changed.cache_clear()
+
+
 def test_the_memory_the_layers_will_hold_is_checked_before_any_is_made(q4_k_m, monkeypatch):
     """The check asks for what the loaded model holds: one byte less free is refused in one line
     before any block is converted; exactly that much loads."""
