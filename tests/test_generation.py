@@ -96,9 +96,11 @@ def test_greedy_generate_equals_rerunning_the_full_sequence():
     assert generate(model, [[1, 5, 9]], 20, temperature=0)[0] == greedy_without_cache(model, [1, 5, 9], 20)
 
 
-def test_ragged_batch_rows_equal_their_single_runs():
+@pytest.mark.parametrize("chunk", [generation.PREFILL_CHUNK, 3])
+def test_ragged_batch_rows_equal_their_single_runs(chunk, monkeypatch):
+    monkeypatch.setattr(generation, "PREFILL_CHUNK", chunk)  # 3: the shared prompt read in several forwards
     model = double_model()
-    prompts = [[1, 5, 9, 2, 33, 7, 8], [1, 40], [1, 3, 3, 3]]
+    prompts = [[1, 5, 9, 2, 33, 7, 8, 4], [1, 40, 7, 7, 2, 9, 6], [1, 3, 3, 3, 12, 13, 14, 15, 16]]
     batched = generate(model, prompts, 12, temperature=0)
     assert batched == [greedy_without_cache(model, p, 12) for p in prompts]
 

@@ -168,7 +168,7 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 5, 16, 70])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 70])
 def test_symmetric_int4_matches_float64_with_offsets_minus_8_scales(ops, dtype, rows):
     """llama.cpp's Q4_0 as Int4Linear holds it, no offsets: w = d (q - 8), d float16 and over
     8188 too (where -8 d would overflow a float16 offset), computed in float32."""
@@ -325,7 +325,7 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
     assert step.isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "int5", "int6"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "symmetric int4", "int5", "int6"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
@@ -340,6 +340,8 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
     layer = {"int8": lambda: Int8Linear.from_weight(w), "int4": lambda: Int4Linear.from_weight(w),
              "int8, float16 scales": lambda: Int8Linear.from_weight(w, torch.float16),  # a GGUF file's Q8_0
              "factored int4": lambda: factored_int4(16, 96, g).to(dtype),  # a GGUF file's Q4_K
+             "symmetric int4": lambda: Int4Linear.from_codes(torch.randint(0, 16, (16, k), generator=g, dtype=torch.uint8),
+                                                             (torch.rand(16, k // 32, generator=g) / 8).half(), None),  # Q4_0
              "int5": lambda: int5_layer(16, k, g)[0], "int6": lambda: int6_layer(16, k, g)[0]}[kind]()  # Q5_K, Q6_K
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95, k - 1):
