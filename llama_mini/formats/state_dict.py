@@ -95,10 +95,9 @@ def build_model(args: ModelArgs, state: dict, device=None, dtype=None, quantizat
     if quantize is not None:
         quant.quantize(model, quantize, weights=state, dtype=dtype, device=device)
     model.load_state_dict(state, assign=True, strict=quantize is None)  # quantized: the rest of state, checked by the reader
-    if args.tie_embeddings and isinstance(model.tok_embeddings, quant.QuantizedEmbedding):
-        model.output = model.tok_embeddings.table  # one layer, as a GGUF file's tied head is held
-    elif args.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight  # assign=True replaced the shared Parameter
+    # assign=True replaced the shared Parameter; a GGUF file's tied head is its embedding's layer, still one module
+    if args.tie_embeddings and not isinstance(model.tok_embeddings, quant.QuantizedEmbedding):
+        model.output.weight = model.tok_embeddings.weight
     return model.to(device=device, dtype=dtype).eval()
 
 
