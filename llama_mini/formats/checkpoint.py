@@ -114,12 +114,13 @@ def read_args(path, tokenizer_path=None) -> ModelArgs:
 
 
 def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_path=None, quantize=None,
-                    keep_blocks: bool = True) -> Transformer:
+                    keep_blocks: bool = True, converter=None) -> Transformer:
     """Load a checkpoint folder of any supported format, or a GGUF or llama2.c file. dtype=None
     keeps the stored dtype (one dtype for all: the embedding's, where the file mixes them). A
     GGUF file's quantized tensors keep the file's precision as int8, int4 and int6 layers
     (gguf.load_gguf_blocks) unless dtype, quantize or keep_blocks=False asks for floats: they
-    are then dequantized, to float32 where dtype is None.
+    are then dequantized, to float32 where dtype is None. converter converts their blocks
+    (quant.gguf_blocks.layer_from_blocks; kernels.gguf_converter(), where the kernels run).
 
     max_seq_len overrides the context length (4096, Llama-2's, where the checkpoint does not
     state one). tokenizer_path is needed only for a Meta params.json with vocab_size -1, and
@@ -139,7 +140,7 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
     elif fmt == "gguf":
         from .gguf import load_gguf_blocks, read_gguf  # the gguf package, imported when a GGUF file is read
 
-        if keep_blocks and dtype is None and quantize is None and (model := load_gguf_blocks(path)) is not None:
+        if keep_blocks and dtype is None and quantize is None and (model := load_gguf_blocks(path, converter)) is not None:
             if max_seq_len is not None:
                 model.args.max_seq_len = max_seq_len
             return model.to(device)

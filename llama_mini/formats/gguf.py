@@ -222,12 +222,13 @@ def read_gguf(path: Path, dtype=None):
     return args, state
 
 
-def load_gguf_blocks(path: Path):
+def load_gguf_blocks(path: Path, converter=None):
     """The model of a GGUF file at the file's precision, or None where it holds no quantized
     tensor (read_gguf maps its float tensors as they are). Each quantized matrix becomes an
     integer layer (int8, int4, int5, int6) as it is read (quant/gguf_blocks.py), the token embedding a
     QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
-    float32. No float copy of a quantized matrix is ever made; activations are float32."""
+    float32. No float copy of a quantized matrix is ever made; activations are float32.
+    converter: layer_from_blocks', the CPU kernels' where they run."""
     file = GGUFFile(path)
     if all(info.type in FLOATS for info in file.tensors.values()):
         return None
@@ -247,7 +248,7 @@ def load_gguf_blocks(path: Path):
             floats[ours] = file.tensor(theirs).float()
             continue
         try:
-            layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape)
+            layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape, converter)
         except ValueError as e:  # a block no layer holds exactly
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
         file.release(theirs)

@@ -73,9 +73,15 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
     """The model, on its device, on the CPU kernels where they run (or compiled), with a line
     on stderr saying what was loaded and the notices of a slow path."""
     device = pick_device(args.device)
+    kernels = device.type == "cpu" and args.kernels == "auto" and not args.compile
+    converter = None
+    if kernels and fmt == "gguf":
+        from ..kernels.gguf_blocks import gguf_converter  # the gguf package, imported when a GGUF file is read
+
+        converter = gguf_converter()  # a GGUF file's blocks converted by the kernels: the same bytes, sooner
     start = time.perf_counter()
     model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=max_seq_len,
-                            tokenizer_path=tokenizer.model_path, quantize=args.quantize)
+                            tokenizer_path=tokenizer.model_path, quantize=args.quantize, converter=converter)
     check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
     quantization = getattr(model, "quantization", None)
     quantized = f" with {quantization.get('held', quantization['method'] + ' weights')}" if quantization else ""
@@ -84,7 +90,7 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
         f"{next(model.parameters()).dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
-    if device.type == "cpu" and args.kernels == "auto" and not args.compile:
+    if kernels:
         use_cpu_kernels(use_fused_rmsnorm(model))  # the CPU kernels: the same numbers, faster
     if quantization and not on_kernels(model):
         hold_plain_rows(model)

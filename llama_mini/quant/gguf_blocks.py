@@ -41,9 +41,11 @@ REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K)  # to int8
 TYPES = EXACT_INT8 + EXACT_INT4 + EXACT_K + REQUANTIZED
 
 
-def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
+def layer_from_blocks(kind: T, blocks: np.ndarray, shape, converter=None) -> torch.nn.Module:
     """The integer layer of a GGUF matrix (out, in) of type kind, from its blocks: uint8
-    (out, bytes per row), a view of the mapped file. Rows are converted a chunk at a time."""
+    (out, bytes per row), a view of the mapped file. Rows are converted a chunk at a time, by
+    the functions here or by converter (kind, blocks, layer) -> whether it filled the layer:
+    the CPU kernels' (kernels/gguf_blocks.py), the same bytes faster."""
     out_features, in_features = shape
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         if kind == T.Q4_K:
@@ -58,6 +60,8 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape) -> torch.nn.Module:
         layer, convert = Int8Linear(in_features, out_features, torch.float16), _INT8[kind]
     else:  # int4, int5 and int6 need sets of eight rows: a matrix without them takes int8, as the other types do
         layer, convert = Int8Linear(in_features, out_features, torch.bfloat16), _requantized(kind)
+    if converter is not None and converter(kind, blocks, layer):
+        return layer
     for rows in row_chunks(out_features, in_features):
         layer.store_rows(rows.start, *convert(torch.from_numpy(np.ascontiguousarray(blocks[rows])), in_features))
     return layer

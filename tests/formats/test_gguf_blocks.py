@@ -115,6 +115,75 @@ def test_rows_are_converted_a_chunk_at_a_time_as_whole(monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(whole.state_dict().values(), chunked.state_dict().values()))
 
 
+def kernels_converter():
+    from llama_mini.kernels.gguf_blocks import gguf_converter
+
+    converter = gguf_converter()
+    if converter is None:
+        pytest.skip("no CPU kernels on this machine")
+    return converter
+
+
+def random_blocks(kind, shape, seed=1) -> np.ndarray:
+    """Every byte random: codes, sub-block scales, and 16-bit float scales of every bit pattern
+    (infinities, NaNs and subnormals among them)."""
+    block, size = GGML_QUANT_SIZES[kind]
+    return np.random.default_rng(seed).integers(0, 256, (shape[0], shape[1] // block * size), dtype=np.uint8)
+
+
+def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Whether two layers hold the same buffers, bit for bit (NaNs' payloads too)."""
+    pairs = list(zip(a.state_dict().items(), b.state_dict().items(), strict=True))
+    return all(na == nb and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x.view(torch.uint8), y.view(torch.uint8))
+               for (na, x), (nb, y) in pairs)
+
+
+@pytest.mark.parametrize("shape", [(48, 512), (8, 256), (72, 1280)], ids=str)
+@pytest.mark.parametrize("kind", list(EXACT), ids=lambda kind: kind.name)
+def test_the_kernels_convert_each_type_to_the_bytes_torchs_converters_make(kind, shape):
+    """The kernels' converter (kernels/gguf_blocks.py) is the torch converters here, faster: the
+    same layer bit for bit, from a quantizer's blocks and from blocks of random bytes."""
+    converter = kernels_converter()
+    for blocks in (blocks_of(kind, shape), random_blocks(kind, shape)):
+        expected, got = layer_from_blocks(kind, blocks, shape), layer_from_blocks(kind, blocks, shape, converter)
+        assert type(got) is EXACT[kind] and same_bytes(got, expected)
+    got = layer_from_blocks(kind, blocks_of(kind, shape), shape, converter)
+    assert torch.equal(got.dequantize(torch.float32), files_weights(kind, blocks_of(kind, shape), shape))
+
+
+def test_the_kernels_leave_what_they_do_not_convert_to_torchs_converters():
+    """A type without a kernel converter (Q5_1), and a matrix without sets of eight rows, are
+    converted by torch's code: the layers it makes, untouched."""
+    converter = kernels_converter()
+    for kind, shape in ((T.Q5_1, SHAPE), (T.Q4_K, (20, 256)), (T.Q8_0, (20, 64))):
+        blocks = blocks_of(kind, shape)
+        assert same_bytes(layer_from_blocks(kind, blocks, shape, converter), layer_from_blocks(kind, blocks, shape))
+
+
+def test_an_edited_converter_runs_as_edited_with_the_kernels_converter_left_off(monkeypatch, caplog):
+    """The kernels' converter is written for quant/gguf_blocks.py's: a reader who edits one (here
+    Q4_K's, its mins negated) gets the edited conversion, and one line naming it."""
+    import logging
+
+    import llama_mini.quant.gguf_blocks as gguf_blocks
+    from llama_mini.kernels import fingerprints
+    from llama_mini.kernels.gguf_blocks import gguf_converter
+
+    kernels_converter()
+    blocks = blocks_of(T.Q4_K, SHAPE)
+    unedited = layer_from_blocks(T.Q4_K, blocks, SHAPE)
+    q4_k = gguf_blocks._q4_k
+    edited = lambda rows, k: (*q4_k(rows, k)[:4], q4_k(rows, k)[4].neg())  # noqa: E731
+    monkeypatch.setattr(gguf_blocks, "_q4_k", edited)
+    monkeypatch.setitem(gguf_blocks._INT4, T.Q4_K, edited)
+    fingerprints.notice_changed.cache_clear()
+    caplog.set_level(logging.WARNING, logger="llama_mini")
+    layer = layer_from_blocks(T.Q4_K, blocks, SHAPE, gguf_converter())
+    assert gguf_converter() is None and torch.equal(layer.super_offsets, unedited.super_offsets.neg())
+    assert any("_q4_k in llama_mini/quant/gguf_blocks.py" in r.getMessage() and "left off" in r.getMessage() for r in caplog.records)
+    fingerprints.notice_changed.cache_clear()
+
+
 # --- A whole file ----------------------------------------------------------------------------
 
 ARGS = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=320, hidden_dim=512, max_seq_len=64)

@@ -21,6 +21,7 @@ from llama_mini import model as core
 from llama_mini import save_checkpoint
 from llama_mini.kernels import (FusedAttention, FusedFeedForward, FusedRMSNorm, on_kernels, use_cpu_kernels,
                                 use_fused_rmsnorm, use_fused_rope, use_fused_swiglu)
+from llama_mini.kernels import gguf_blocks
 from llama_mini.kernels import fingerprints
 from llama_mini.kernels.operators import operators
 from llama_mini.quant import layers as quant_layers
@@ -321,6 +322,7 @@ def test_every_kernel_layer_names_the_core_code_it_computes_and_the_record_holds
     for cls in layers:
         assert isinstance(cls.layer, str) and isinstance(cls.computes, tuple), cls
         named |= set(cls.computes)
+    named |= set(gguf_blocks.COMPUTES)  # the GGUF converter: not a layer, written for quant/'s converters
     assert named == set(fingerprints.FINGERPRINTS), "the record names exactly the functions the layers compute"
     stale = {name for name in named if fingerprints.fingerprint(fingerprints.live(name)) != fingerprints.FINGERPRINTS[name]}
     assert not stale, f"{sorted(stale)} changed: update the kernels, then `python -m llama_mini.kernels.fingerprints`"

@@ -1,0 +1,46 @@
+"""A GGUF file's blocks converted into the integer layers by the CPU kernels' library
+(csrc/gguf_blocks_op.cpp): each set of eight rows decoded and packed while it sits in cache, on
+every thread, where torch's converters (quant/gguf_blocks.py, the definition) make a pass over
+memory per operation. The same bytes, in a fraction of the load time.
+
+The converter is written for those converters and the layout they pack (quant/layout.py), and
+names them in COMPUTES: where one was edited it steps aside with one line, and torch's run.
+"""
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as T
+
+from ..quant.k_quants import Int5Linear, Int6Linear
+from ..quant.layers import Int4Linear, Int8Linear
+from .fingerprints import changed, notice_changed
+from .operators import operators
+
+COMPUTES = tuple(f"quant.gguf_blocks:{name}" for name in ("_q8_0", "_q5_0", "_q4_0", "_q4_1", "_q4_k", "_q5_k", "_q6_k",
+                                                           "_scales_and_mins", "_nibbles", "_half", "_blocks")) + \
+    tuple(f"quant.layout:{name}" for name in ("pack_int8", "pack_int4", "pack_int5", "pack_int6", "_int4_runs", "as_words",
+                                              "_bytes", "interleave_rows")) + \
+    ("quant.layers:Int8Linear.store_rows", "quant.layers:Int4Linear.store_rows", "quant.k_quants:KQuantLinear.store_rows")
+LAYERS = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
+          T.Q5_K: Int5Linear, T.Q6_K: Int6Linear}  # the types it converts, and the layer each goes to
+
+
+def gguf_converter():
+    """The kernels' converter for quant.gguf_blocks.layer_from_blocks, or None where the kernels
+    do not run or a function it was written for changed (said once)."""
+    if operators() is None:
+        return None
+    if name := changed(COMPUTES):
+        notice_changed("kernels' GGUF block converter", name)
+        return None
+    return convert
+
+
+def convert(kind: T, blocks: np.ndarray, layer) -> bool:
+    """Fill layer with the matrix of blocks (uint8 (rows, bytes per row), a view of the mapped
+    file) where the converter takes its type and the layer holds sets of eight rows; whether it did."""
+    if type(layer) is not LAYERS.get(kind) or not layer.rows_of_8:
+        return False
+    buffers = [buffer for _, buffer in layer.named_buffers()]  # the layer's order, the codes first
+    torch.ops.llama_mini.gguf_blocks(torch.from_numpy(np.ascontiguousarray(blocks)), int(kind), buffers)
+    return True
