@@ -94,7 +94,8 @@ def empty_quantized_model(model: nn.Module, quantization: dict) -> nn.Module:
 
 def hold_plain_rows(model: nn.Module) -> nn.Module:
     """Each integer layer of model the CPU kernels do not run holds its rows plainly, the layout
-    torch.compile's loops read fastest (layers.py); returns model. Its state_dict is unchanged."""
+    torch.compile's loops read fastest (layers.py); returns model. Its state_dict keeps the stored
+    layout, but a factored int4 layer's (a GGUF file's Q4_K) then holds its scales multiplied out."""
     for layer in model.modules():
         if type(layer) in (Int8Linear, Int4Linear):
             layer.hold_plain_rows()

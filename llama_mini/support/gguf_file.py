@@ -40,6 +40,7 @@ _SCALARS = {
     GGUFValueType.UINT32: "<u4", GGUFValueType.INT32: "<i4", GGUFValueType.FLOAT32: "<f4", GGUFValueType.BOOL: "<u1",
     GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
 }
+_LENGTH = struct.Struct("<Q")  # a string's length
 _CHUNK_ELEMENTS = 1 << 20  # the rows dequantized at once: a few MB of float32 beside the result
 
 
@@ -122,15 +123,27 @@ class GGUFFile:
             raise self._corrupt(f"it claims {count} {what}, more than its {len(self.map)} bytes can hold")
 
     def _string(self) -> str:
-        (length,) = self._unpack("<Q")
-        if length > len(self.map) - self.pos:
-            raise self._corrupt(f"a string of {length} bytes at byte {self.pos} runs past the end")
-        raw = self.map[self.pos : self.pos + length]
-        self.pos += length
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise self._corrupt(f"a string at byte {self.pos - length} is not UTF-8") from None
+        return self._strings(1)[0]
+
+    def _strings(self, count: int) -> list:
+        """count strings, each its length and its UTF-8 bytes, checked against the bytes left: in one
+        loop, as a vocabulary is hundreds of thousands of them."""
+        strings, data, pos, end = [], self.map, self.pos, len(self.map)
+        for _ in range(count):
+            if pos + 8 > end:
+                self.pos = pos
+                self._unpack("<Q")  # says where the file ends
+            (length,) = _LENGTH.unpack_from(data, pos)
+            pos += 8
+            if length > end - pos:
+                raise self._corrupt(f"a string of {length} bytes at byte {pos} runs past the end")
+            try:
+                strings.append(data[pos : pos + length].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self._corrupt(f"a string at byte {pos} is not UTF-8") from None
+            pos += length
+        self.pos = pos
+        return strings
 
     def _value(self, kind: int, key: str):
         """(value, (its type, the array's item type or None)) of the value at the current position."""
@@ -149,7 +162,7 @@ class GGUFFile:
             if count > MAX_STRINGS:  # refused before a Python string is made of each (about 60 bytes apiece)
                 raise self._corrupt(f"{key[:80]!r} holds {count} strings, more than any tokenizer's vocabulary "
                                     f"or merges ({MAX_STRINGS})")
-            return [self._string() for _ in range(count)], (kind, item)
+            return self._strings(count), (kind, item)
         return self._numbers(item, count), (kind, item)
 
     def _value_type(self, kind: int, key: str) -> GGUFValueType:

@@ -237,6 +237,30 @@ def test_a_quantized_file_loads_at_its_own_precision_without_flags(q4_k_m):
     assert all(not t.is_meta for t in (*model.parameters(), *model.buffers()))
 
 
+@pytest.mark.parametrize("kernels", ["auto", "off"])
+def test_generate_converts_a_files_blocks_by_the_kernels_where_they_run_to_the_same_layers(q4_k_m, kernels, monkeypatch):
+    """generate.py's and evaluate's load (inference.loading.load_model) converts every type the
+    kernels' converter takes by it, with --kernels off by torch's: the same layers either way."""
+    import argparse
+
+    import llama_mini.kernels.gguf_blocks as kernel_blocks
+    from llama_mini.inference.loading import load_model
+    from llama_mini.quant import hold_plain_rows
+
+    if kernels == "auto":
+        kernels_converter()
+    path, tensors = q4_k_m
+    converted, convert = [], kernel_blocks.convert
+    monkeypatch.setattr(kernel_blocks, "convert", lambda kind, blocks, layer: converted.append(kind) or convert(kind, blocks, layer))
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False)
+    tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
+    model, expected = load_model(flags, path, "gguf", tokenizer), load_checkpoint(path)
+    assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16} if kernels == "auto" else set())
+    if kernels == "off":
+        hold_plain_rows(expected)  # as load_model holds layers off the kernels
+    assert same_bytes(model, expected)
+
+
 def test_each_layer_holds_the_files_weights(q4_k_m):
     path, tensors = q4_k_m
     model = load_checkpoint(path)
