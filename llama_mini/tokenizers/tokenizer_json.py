@@ -81,8 +81,8 @@ def ranks_from_bpe(vocab: dict[str, int], merges: list) -> dict[bytes, int]:
     spelled = {token: token.translate(table).encode("latin-1") for token in vocab}
     ranks = {spelled[token]: i for token, i in vocab.items()}
     try:
-        merges = [tuple(spelled[part] for part in (m.split(" ") if isinstance(m, str) else m)) for m in merges]
-    except (KeyError, TypeError, AttributeError):
+        merges = [(spelled[a], spelled[b]) for a, b in (m.split(" ") if isinstance(m, str) else m for m in merges)]
+    except (KeyError, TypeError, ValueError):  # a part that is no token, or not two parts
         raise ValueError("its merge rules are not every split of every token") from None
     if sorted(ranks.values()) != list(range(len(ranks))):
         raise ValueError("its token ids are not 0..n-1 once each")
@@ -108,11 +108,15 @@ def bpe_from_ranks(ranks: dict[bytes, int]) -> tuple[list[str], list[str]]:
 def _merges_follow_ranks(ranks: dict[bytes, int], merges: list[tuple[bytes, ...]]) -> bool:
     """Whether merging by these rules is merging by rank, as tiktoken does: the rules are
     exactly the splits of tokens into two tokens, ordered by the rank of the merged token."""
-    if any(len(m) != 2 or m[0] + m[1] not in ranks for m in merges):
+    try:
+        made = [ranks[a + b] for a, b in merges]
+    except KeyError:  # a rule making no token
         return False
-    made = [ranks[a + b] for a, b in merges]
-    splits = {(t[:i], t[i:]) for t in ranks for i in range(1, len(t)) if t[:i] in ranks and t[i:] in ranks}
-    return made == sorted(made) and set(merges) == splits and len(merges) == len(splits)
+    if made != sorted(made) or len(set(merges)) != len(merges):
+        return False
+    # Each rule is a split of the token it makes, and none twice: they are every split if they
+    # are as many (counted, not collected: a vocabulary has hundreds of thousands).
+    return len(merges) == sum(t[:i] in ranks and t[i:] in ranks for t in ranks for i in range(1, len(t)))
 
 
 def _byte_alphabet() -> dict[str, int]:

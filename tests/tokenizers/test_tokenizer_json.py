@@ -92,3 +92,19 @@ def test_a_tokenizer_json_that_cannot_spell_every_byte_is_refused_in_one_line(fi
     (tmp_path / "tokenizer.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="tokenizer.json is not a Llama-3 tokenizer.json .*not every single byte is a token"):
         open_tokenizer(tmp_path / "tokenizer.json")
+
+
+def test_merge_rules_must_be_every_split_of_every_token_once_in_rank_order():
+    """ranks_from_bpe, on a vocabulary of the 256 bytes, "ab" and "abc": its splits are a|b and
+    ab|c (bc is no token). Those rules, as strings or pairs, give the ranks; any other set is
+    refused, including one of as many rules that repeats one and lacks another."""
+    from llama_mini.tokenizers.tokenizer_json import _byte_alphabet, ranks_from_bpe
+
+    spell = {b: c for c, b in _byte_alphabet().items()}
+    vocab = {spell[b]: b for b in range(256)} | {"ab": 256, "abc": 257}
+    assert ranks_from_bpe(vocab, ["a b", "ab c"])[b"abc"] == 257
+    assert ranks_from_bpe(vocab, [["a", "b"], ["ab", "c"]])[b"ab"] == 256
+    for merges in (["ab c", "a b"], ["a b", "a b"], ["a b"], ["a b", "ab c", "a bc"], ["a b", "ab c", "b c"],
+                   ["a b c", "ab c"], ["a b", "abc"], [["a", "b", "c"], ["ab", "c"]], ["a b", None]):
+        with pytest.raises(ValueError, match="merge rules"):
+            ranks_from_bpe(vocab, merges)
