@@ -11,8 +11,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from ..quant.k_quants import Int5Linear, Int6Linear
-from ..quant.layers import Int4Linear, Int8Linear
+from ..quant.gguf_blocks import EXACT_INT4, EXACT_INT8, EXACT_K
 from .fingerprints import changed, notice_changed
 from .operators import operators
 
@@ -21,8 +20,7 @@ COMPUTES = tuple(f"quant.gguf_blocks:{name}" for name in ("_q8_0", "_q5_0", "_q4
     tuple(f"quant.layout:{name}" for name in ("pack_int8", "pack_int4", "pack_int5", "pack_int6", "_int4_runs", "as_words",
                                               "_bytes", "interleave_rows")) + \
     ("quant.layers:Int8Linear.store_rows", "quant.layers:Int4Linear.store_rows", "quant.k_quants:KQuantLinear.store_rows")
-LAYERS = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
-          T.Q5_K: Int5Linear, T.Q6_K: Int6Linear}  # the types it converts, and the layer each goes to
+KINDS = EXACT_INT8 + EXACT_INT4 + EXACT_K  # the types whose blocks a layer holds as they are: csrc's
 
 
 def gguf_converter():
@@ -39,7 +37,7 @@ def gguf_converter():
 def convert(kind: T, blocks: np.ndarray, layer) -> bool:
     """Fill layer with the matrix of blocks (uint8 (rows, bytes per row), a view of the mapped
     file) where the converter takes its type and the layer holds sets of eight rows; whether it did."""
-    if type(layer) is not LAYERS.get(kind) or not layer.rows_of_8:
+    if kind not in KINDS or not layer.rows_of_8:  # rows not in sets of eight take torch's int8 (layer_from_blocks)
         return False
     buffers = [buffer for _, buffer in layer.named_buffers()]  # the layer's order, the codes first
     torch.ops.llama_mini.gguf_blocks(torch.from_numpy(np.ascontiguousarray(blocks)), int(kind), buffers)
