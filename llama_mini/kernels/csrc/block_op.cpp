@@ -63,15 +63,23 @@ at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const
     };
     const int64_t batch = x.size(0), rows = x.size(1), dim = x.size(2), head_dim = k_cache.size(3);
 
-    const at::Tensor h = rms_norm(x, attention_norm, eps, dim, vector_bytes);
-    const at::Tensor q = project(h, 0).view({batch, rows, -1, head_dim});
-    const at::Tensor k = project(h, 1).view({batch, rows, -1, head_dim});
-    const at::Tensor v = project(h, 2).view({batch, rows, -1, head_dim});
-    const at::Tensor attended = attention_op(q, k, v, k_cache, v_cache, cos, sin, start);
+    // Each activation is let go as soon as it is read (reset), and the gate takes SwiGLU's result:
+    // a prompt's chunk then holds about five of them at once, not thirteen.
+    at::Tensor h = rms_norm(x, attention_norm, eps, dim, vector_bytes);
+    at::Tensor q = project(h, 0).view({batch, rows, -1, head_dim});
+    at::Tensor k = project(h, 1).view({batch, rows, -1, head_dim});
+    at::Tensor v = project(h, 2).view({batch, rows, -1, head_dim});
+    h.reset();
+    at::Tensor attended = attention_op(q, k, v, k_cache, v_cache, cos, sin, start);
+    q.reset(), k.reset(), v.reset();
     const at::Tensor after_attention = at::add(x, project(attended.view({batch, rows, -1}), 3));
+    attended.reset();
 
-    const at::Tensor g = rms_norm(after_attention, ffn_norm, eps, dim, vector_bytes);
-    return at::add(after_attention, project(swiglu_op(project(g, 4), project(g, 6)), 5));
+    at::Tensor g = rms_norm(after_attention, ffn_norm, eps, dim, vector_bytes);
+    at::Tensor gate = project(g, 4);
+    swiglu_in_place(gate, project(g, 6));
+    g.reset();
+    return at::add(after_attention, project(gate, 5));
 }
 
 }  // namespace llama_mini

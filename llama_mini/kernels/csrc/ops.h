@@ -19,6 +19,7 @@ at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    const at::Tensor& super_scales, const at::Tensor& super_offsets);
 at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& super_scales);
 at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b);
+void swiglu_in_place(at::Tensor& a, const at::Tensor& b);
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t start);
 

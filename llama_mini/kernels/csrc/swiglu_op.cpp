@@ -12,17 +12,35 @@
 
 namespace llama_mini {
 
-// silu(a) * b, elementwise, for a and b of one shape and dtype.
-at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b) {
+namespace {
+
+// silu(a) * b into out, elementwise, for a, b and out of one shape and dtype (out may be a:
+// each element is read before it is written).
+void gate_into(const at::Tensor& a, const at::Tensor& b, const at::Tensor& out) {
     TORCH_CHECK(vector_kernels_available(), "llama_mini::swiglu: this build has no vector kernels");
     TORCH_CHECK(a.device().is_cpu() && a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type(),
                 "llama_mini::swiglu: a and b of one shape and dtype, on the CPU");
     const int type = float_type(a, "a");
-    const at::Tensor ac = a.contiguous(), bc = b.contiguous();
+    const at::Tensor bc = b.contiguous();
+    ::swiglu(a.const_data_ptr(), bc.const_data_ptr(), out.mutable_data_ptr(), a.numel(), type,
+             threads_for_work(a.numel() * 16));
+}
+
+}  // namespace
+
+// silu(a) * b, elementwise, for a and b of one shape and dtype.
+at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b) {
+    const at::Tensor ac = a.contiguous();
     at::Tensor out = at::empty_like(ac);
-    ::swiglu(ac.const_data_ptr(), bc.const_data_ptr(), out.mutable_data_ptr(), ac.numel(), type,
-             threads_for_work(ac.numel() * 16));
+    gate_into(ac, b, out);
     return out;
+}
+
+// silu(a) * b written over a (contiguous, read by no one else): block_op.cpp's feed-forward,
+// whose prompt chunk then needs no third tensor of hidden activations.
+void swiglu_in_place(at::Tensor& a, const at::Tensor& b) {
+    TORCH_CHECK(a.is_contiguous(), "llama_mini::swiglu: in place needs a contiguous tensor");
+    gate_into(a, b, a);
 }
 
 // Saves a and b for backward, which recomputes silu(a) from them.
