@@ -52,9 +52,11 @@ using namespace simd;
 #ifdef SIMD_WIDE
 constexpr int DENSE_MR = 4, DENSE_NR = 6;  // rows of x, rows of W
 constexpr int INT_MR = 4, INT_NZ = 3;  // rows of x, pairs of sets of eight rows of W
+constexpr int INT6_MR = INT_MR;
 #else
 constexpr int DENSE_MR = 3, DENSE_NR = 4;
-constexpr int INT_MR = 2, INT_NZ = 1;
+constexpr int INT_MR = 4, INT_NZ = 1;  // the sums of four rows spill to the stack once a block: 1.15-1.25x two rows' speed
+constexpr int INT6_MR = 2;  // an int6 run takes ten registers, and its sums are floats: four rows would spill every run
 #endif
 constexpr int64_t CHUNK = 128;  // rows of x per pass over the weights
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead each stream of integer weights is fetched
@@ -651,14 +653,14 @@ void integer_tile(const Activations& a, const F& format, const void* codes, Y* y
 // the next sets. Each stream runs forward through memory, which keeps the prefetchers (and ours)
 // ahead of it; adjacent sets paired would jump back at every pair. The sets left over (fewer
 // than 2 NZ) go in pairs of their own.
-template <int NZ, typename Tile> void in_streams(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
+template <int MR, int NZ, typename Tile> void in_streams(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
     const int64_t length = (end - begin) / (2 * NZ), rest = begin + 2 * NZ * length;
-    over_chunks<INT_MR>(rows, [&]<int R>(int64_t m, int64_t i, bool first) {
+    over_chunks<MR>(rows, [&]<int R>(int64_t m, int64_t i, bool first) {
         SetPairs<NZ> pairs;
         for (int z = 0; z < NZ; z++) pairs.first[z] = begin + 2 * z * length + i, pairs.second[z] = pairs.first[z] + length;
         tile.template operator()<R, NZ>(m, pairs, first);
     }, 0, length, 1);
-    over_chunks<INT_MR>(rows, [&]<int R>(int64_t m, int64_t p, bool first) {
+    over_chunks<MR>(rows, [&]<int R>(int64_t m, int64_t p, bool first) {
         tile.template operator()<R, 1>(m, SetPairs<1>{{p}, {std::min(p + 1, end - 1)}}, first);
     }, rest, end, 2);
 }
@@ -666,21 +668,24 @@ template <int NZ, typename Tile> void in_streams(int64_t rows, int64_t begin, in
 // Every row and set, threads taking bands of sets. A few rows (a decoding step) are bound by
 // memory, and read two streams per thread; more are bound by arithmetic, and take NZ pairs
 // per tile, for more accumulators.
-template <typename Tile> void over_sets(int64_t rows, int64_t n, int threads, const Tile& tile) {
+template <int MR, typename Tile> void over_sets(int64_t rows, int64_t n, int threads, const Tile& tile) {
     for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
-        if (rows < INT_MR)
-            in_streams<1>(rows, begin, end, tile);
+        if (rows < MR)
+            in_streams<MR, 1>(rows, begin, end, tile);
         else
-            in_streams<INT_NZ>(rows, begin, end, tile);
+            in_streams<MR, INT_NZ>(rows, begin, end, tile);
     }, 2 * INT_NZ);
 }
+
+// Rows of x per tile for weights in format F.
+template <typename F> constexpr int tile_rows() { return std::is_base_of_v<Int6Format, F> ? INT6_MR : INT_MR; }
 
 // y = x W^T for integer weights in format F, y of float type y_type.
 template <typename F>
 void integer_linear(const Activations& a, const F& format, const void* codes, void* y, int64_t rows, int64_t n,
                     int64_t k, int y_type, int threads) {
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        over_sets(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
+        over_sets<tile_rows<F>()>(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
             integer_tile<R, NZ>(a, format, codes, static_cast<Y*>(y), n, k, m, pairs, first);
         });
     });
@@ -835,7 +840,7 @@ void widen_int5(const FifthBit<FactoredInt4Format>& format, const uint8_t* int5,
 // half a float per input.
 constexpr int64_t WIDE_BYTES = 1 << 19;
 
-template <typename Y, typename Widen, typename Tile>
+template <int MR, typename Y, typename Widen, typename Tile>
 void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen& widen, const Tile& tile) {
     const int64_t count = std::max<int64_t>(2 * INT_NZ, WIDE_BYTES / (10 * k) / 2 * 2);
     for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
@@ -846,7 +851,7 @@ void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen&
         for (int64_t from = begin; from < end; from += count) {
             const int64_t sets = std::min(count, end - from);
             widen(from, sets, codes.data(), floats.data());
-            in_streams<INT_NZ>(rows, 0, sets, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool) {
+            in_streams<MR, INT_NZ>(rows, 0, sets, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool) {
                 tile.template operator()<R, NZ>(m, pairs, codes.data(), floats.data(), y + 8 * from);
             });
         }
@@ -865,7 +870,7 @@ extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xs
     }
     const FifthBit<FactoredInt4Format> factored{{format, super_scales, super_offsets, k / 256, 8}};
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        widened(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+        widened<tile_rows<WideInt5Format>()>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
             widen_int5(factored, codes, from, sets, k, wide, floats);
         }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
             const WideInt5Format format{{floats, floats + groups * 8, F32, 2 * groups, 1}};  // each set's scales, then its offsets
@@ -891,7 +896,7 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
         return;
     }
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        widened(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+        widened<tile_rows<WideInt6Format>()>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
             widen_int6(format, codes, from, sets, k, wide, floats);
         }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
             integer_tile<R, NZ>({xq, xd, xsum}, WideInt6Format{format, floats}, wide, y_sets, n, k, m, pairs, false);
