@@ -104,7 +104,7 @@ class GgufSentencePiece(ScoreBpeTokenizer):
         known = set(vocab.tokens)  # SentencePiece merges by scores; merges, where present, must still name tokens
         if any(part not in known for merge in vocab.merges for part in str(merge).split(" ")):
             raise vocab.refuse(f"{Keys.Tokenizer.MERGES} names tokens that are not in the vocabulary")
-        self.vocab = vocab
+        self.ids = vocab.ids  # the file's special ids; not the vocabulary, whose strings ScoreBpeTokenizer holds as it needs them
         pieces = [token.replace("\u2581", " ").encode("utf-8") for token in vocab.tokens]
         byte_ids = {}
         for i in sorted(vocab.of_type(TokenType.BYTE)):
@@ -126,7 +126,7 @@ class GgufSentencePiece(ScoreBpeTokenizer):
     @property
     def stop_ids(self) -> list[int]:
         """EOS, and the end-of-turn and end-of-message tokens where the file names them."""
-        return sorted({self.vocab.ids[key] for key in STOP_KEYS} - {None})
+        return sorted({self.ids[key] for key in STOP_KEYS} - {None})
 
 
 class GgufLlama3(TiktokenTokenizer):
@@ -134,11 +134,12 @@ class GgufLlama3(TiktokenTokenizer):
     byte-level BPE tokens and merges, and the special tokens after them."""
 
     def __init__(self, model_path, vocab: Vocabulary):
-        self.vocab = vocab
-        super().__init__(model_path)
+        self.vocab, self.ids = vocab, vocab.ids
+        super().__init__(model_path)  # which calls read
+        del self.vocab  # its strings (36 MB of them for Llama-3) are the ranks now
         for name, key in (("bos_id", Keys.Tokenizer.BOS_ID), ("eos_id", Keys.Tokenizer.EOS_ID), ("pad_id", Keys.Tokenizer.PAD_ID)):
-            if vocab.ids[key] is not None:  # the file's word over Meta's names
-                setattr(self, name, vocab.ids[key])
+            if self.ids[key] is not None:  # the file's word over Meta's names
+                setattr(self, name, self.ids[key])
 
     def read(self, path):
         """(ranks, special tokens): the tokens llama.cpp marks as control or user-defined are the
@@ -161,7 +162,7 @@ class GgufLlama3(TiktokenTokenizer):
         """Llama-3's ends of a text, a turn and a tool call, and whatever the file names as EOS,
         EOT and EOM (an instruct model's file says its EOS is <|eot_id|>)."""
         named = {self.special_tokens[name] for name in LLAMA3_STOPS if name in self.special_tokens}
-        return sorted(named | {self.vocab.ids[key] for key in STOP_KEYS} - {None})
+        return sorted(named | {self.ids[key] for key in STOP_KEYS} - {None})
 
 
 # --- Writing --------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ tokenizer: the same ranks, special tokens, stop ids and chat prompt. Exported fr
 a vocabulary must read back (here and with gguf's reader) with the same ids.
 """
 
+import gc
 import shutil
+import tracemalloc
 
 import gguf
 import numpy as np
@@ -83,6 +85,24 @@ def test_the_llama3_vocabulary_is_metas_tiktoken_ranks():
     assert {name: tokenizer.special_tokens[name] for name in named} == {name: meta.special_tokens[name] for name in named}
     assert tokenizer.encode_dialog(DIALOG) == meta.encode_dialog(DIALOG)
 
+
+
+def test_a_llama3_gguf_vocabulary_once_read_holds_what_metas_file_does():
+    """The file's token and merge lists (400,000 strings, 36 MB of Python objects) are let go
+    once they are ranks: the tokenizer then holds as much as Meta's own file's."""
+    def held(path):
+        gc.collect()
+        tracemalloc.start()
+        try:
+            tokenizer = open_tokenizer(path)
+            gc.collect()
+            return tokenizer, tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+
+    (tokenizer, from_gguf), (_, from_meta) = held(require(GGUF_VOCAB / BPE)), held(require(LLAMA3_TOKENIZER))
+    assert tokenizer.stop_ids == [128001, 128009]  # the file's ids, kept
+    assert from_gguf < 1.05 * from_meta, (from_gguf, from_meta)
 
 # --- Export: Meta's files written as GGUF vocabularies, read back -------------------------------
 
