@@ -19,10 +19,8 @@ import functools
 import hashlib
 import importlib
 import inspect
-import io
 import logging
 import textwrap
-import tokenize
 from typing import Optional
 
 log = logging.getLogger(__name__)
@@ -101,31 +99,52 @@ def fingerprint(function) -> Optional[str]:
     where its source cannot be read (a builtin, code made at run time)."""
     try:
         source = textwrap.dedent(inspect.getsource(function))
-    except (OSError, TypeError):
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
         return None
     lines = source.splitlines()
-    for row, column in reversed(_comments(source)):  # the last first, so each cut leaves the others in place
-        lines[row - 1] = lines[row - 1][:column]
-    docstring = _docstring_rows(source)
-    code = "\n".join(line.rstrip() for row, line in enumerate(lines, 1) if row not in docstring and line.strip())
-    return hashlib.sha256(code.encode()).hexdigest()[:16]
+    strings = _string_spans(tree)
+    docstring = _docstring_rows(tree)
+    kept = []
+    for row, line in enumerate(lines, 1):
+        if row in docstring:
+            continue
+        line = line[:_comment_start(line, strings.get(row, ()))].rstrip()
+        if line.strip():
+            kept.append(line)
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
-def _comments(source: str) -> list:
-    """(row, column) where each comment of source starts; none where source is not whole code."""
-    try:
-        return [t.start for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT]
-    except (tokenize.TokenError, SyntaxError):
-        return []
+def _string_spans(tree) -> dict:
+    """row -> the (start, end) columns its string literals cover (end None: to the line's end):
+    the only places a # is not a comment. Read from the syntax tree, which parses in C, where
+    tokenize reads the source character by character in Python."""
+    spans = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr) or isinstance(node, ast.Constant) and isinstance(node.value, (str, bytes)):
+            for row in range(node.lineno, node.end_lineno + 1):
+                start = node.col_offset if row == node.lineno else 0
+                end = node.end_col_offset if row == node.end_lineno else None
+                spans.setdefault(row, []).append((start, end))
+    return spans
 
 
-def _docstring_rows(source: str) -> set:
-    """The rows of the docstring of the def or class that source holds: a string standing alone
+def _comment_start(line: str, strings) -> int:
+    """The column where line's comment starts (its length where it has none). Columns of the
+    syntax tree are UTF-8 byte offsets, so the line is searched as bytes."""
+    data = line.encode()
+    at = data.find(b"#")
+    while at != -1:
+        if not any(start <= at and (end is None or at < end) for start, end in strings):
+            return len(data[:at].decode())
+        at = data.find(b"#", at + 1)
+    return len(line)
+
+
+def _docstring_rows(tree) -> set:
+    """The rows of the docstring of the def or class the tree holds: a string standing alone
     as its body's first statement, on rows of its own."""
-    try:
-        node = ast.parse(source).body[0]
-    except (SyntaxError, IndexError):
-        return set()
+    node = tree.body[0] if tree.body else None
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or not node.body:
         return set()
     first = node.body[0]

@@ -349,8 +349,35 @@ class Recoded:
         return x + 2  # a comment
 
 
+class Hashed:
+    def f(x):
+        return x + f"#{1}" + """
+        # not a comment""" + "é#"  # a comment
+
+
+class Rehashed:
+    def f(x):
+        return x + f"#{2}" + """
+        # not a comment""" + "é#"  # another comment
+
+
+class Recommented:
+    def f(x):
+        return x + f"#{1}" + """
+        # not a comment""" + "é#"  # the same code, another comment
+
+
+class Rehashed2:
+    def f(x):
+        return x + f"#{1}" + """
+        # not a comment!""" + "é#"
+
+
 def test_a_fingerprint_reads_the_code_not_its_docstring_or_comments():
     assert fingerprints.fingerprint(Documented.f) == fingerprints.fingerprint(Reworded.f)
     assert fingerprints.fingerprint(Documented.f) != fingerprints.fingerprint(Recoded.f)
+    # a # inside a string, over lines or after a wide character, is code
+    assert len({fingerprints.fingerprint(cls.f) for cls in (Hashed, Rehashed, Rehashed2)}) == 3
+    assert fingerprints.fingerprint(Hashed.f) == fingerprints.fingerprint(Recommented.f)
     assert fingerprints.fingerprint(torch.add) is None  # a builtin: no source, so never the recorded code
     assert fingerprints.changed(["model:FeedForward.no_such_method"]) == "model:FeedForward.no_such_method"
