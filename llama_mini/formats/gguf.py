@@ -45,7 +45,7 @@ from ..tokenizers.spm import SentencePieceTokenizer
 from ..tokenizers.tokenizer_json import bpe_from_ranks
 from .config_check import check_fields, model_args
 from .names import from_format, to_format
-from .state_dict import check_fits_config, empty_model
+from .state_dict import check_fits_config
 
 TENSOR_TYPES = {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0, "q4_0": T.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16, "bf16": gguf.LlamaFileType.MOSTLY_BF16,
@@ -215,7 +215,7 @@ def read_gguf(path: Path, dtype=None):
     to dtype (default float32, which holds every dequantized value exactly).
     """
     file = GGUFFile(path)
-    args, names = _gguf_args(file, path)
+    args, names, _ = _gguf_args(file, path)
     state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
     if args.tie_embeddings:
         state["output.weight"] = state["tok_embeddings.weight"]
@@ -232,7 +232,7 @@ def load_gguf_blocks(path: Path, converter=None):
     file = GGUFFile(path)
     if all(info.type in FLOATS for info in file.tensors.values()):
         return None
-    args, names = _gguf_args(file, path)
+    args, names, model = _gguf_args(file, path)
     infos = [file.tensors[theirs] for theirs in names.values()]
     if unread := next((theirs for theirs in names.values() if file.tensors[theirs].type not in (*FLOATS, *TYPES)), None):
         readable = ", ".join(t.name for t in (*FLOATS, *TYPES))
@@ -240,7 +240,6 @@ def load_gguf_blocks(path: Path, converter=None):
     needed = sum(4 * info.numel if info.type in FLOATS else held_bytes(info.type, info.shape) for info in infos)
     check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
                       "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
-    model = empty_model(args)
     floats, kinds, layers = {}, {}, {}
     for ours, theirs in names.items():
         info = file.tensors[theirs]
@@ -276,8 +275,8 @@ def gguf_args(path: Path) -> ModelArgs:
 
 
 def _gguf_args(file: GGUFFile, path: Path):
-    """(ModelArgs, our tensor names to the file's) of an open GGUF file, its names and shapes
-    checked against its metadata."""
+    """(ModelArgs, our tensor names to the file's, the empty model they were checked against) of
+    an open GGUF file, its names and shapes checked against its metadata."""
     names = {}
     for name in file.tensors:
         if name != ROPE_FREQS:
@@ -292,8 +291,8 @@ def _gguf_args(file: GGUFFile, path: Path):
     args = model_args({**fields, "tie_embeddings": tied}, path)
     if ROPE_FREQS in file.tensors:
         args = rope_scaling_from_factors(file.tensor(ROPE_FREQS), args, file.fields, path)
-    check_fits_config(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
-    return args, names
+    model = check_fits_config(args, {ours: file.tensors[theirs] for ours, theirs in names.items()}, path, layout="gguf")
+    return args, names, model
 
 
 def write_vocabulary(writer, tokenizer_path, vocab_size: int) -> None:

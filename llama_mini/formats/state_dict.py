@@ -39,9 +39,10 @@ def tie_equal_heads(state: dict) -> bool:
     return True
 
 
-def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "ours", quantization=None) -> None:
+def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "ours", quantization=None) -> Transformer:
     """Refuse, in one line naming source, tensors (by our names; anything with a shape) that are
     not exactly the model args describes, quantized as the record says: every name and shape.
+    Returns that model, empty (empty_model's), for a reader that fills it itself.
 
     Every reader runs this once per checkpoint, on the tensors as the files map them, before
     it permutes or dequantizes any. layout ("hf", "gguf") names the tensors in messages as
@@ -50,9 +51,10 @@ def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "our
     named = (lambda name: name) if layout == "ours" else (lambda name: to_format(name, layout))
     _check_layer_count(args, tensors, source)  # before building: a config may claim millions of layers
     try:
-        expected = empty_model(args, quantization).state_dict()
+        model = empty_model(args, quantization)
     except ValueError as e:  # a quantization record that does not fit the config
         raise ValueError(f"{source}: {e}; {MISFIT}") from None
+    expected = model.state_dict()
     missing = {name for name in expected.keys() - tensors.keys() if not (args.tie_embeddings and name.startswith("output."))}
     unexpected = tensors.keys() - expected.keys()
     if missing or unexpected:
@@ -62,6 +64,7 @@ def check_fits_config(args: ModelArgs, tensors: dict, source, layout: str = "our
         if tuple(tensor.shape) != tuple(expected[name].shape):
             raise ValueError(f"{source}: tensor {named(name)} has shape {tuple(tensor.shape)} but the config implies "
                              f"{tuple(expected[name].shape)}; {MISFIT}")
+    return model
 
 
 def _check_layer_count(args: ModelArgs, names, source) -> None:
