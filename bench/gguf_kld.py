@@ -52,11 +52,11 @@ def figures(logprobs: list, base: list, texts: list) -> Comparison:
     return comparison
 
 
-def row(kind: str, matrices: str, mine: Comparison, theirs: Comparison) -> str:
+def row(kind: str, matrices: str, mine: Comparison, theirs: Comparison, digits: int = 4) -> str:
     cells = [kind, matrices]
     for c in (mine, theirs):
         kld, error = c.mean_and_error("kld")
-        cells += [f"{torch.tensor(c.sums['nll'] / c.count).exp().item():.4f}", f"{kld:.6f} ± {error:.6f}",
+        cells += [f"{torch.tensor(c.sums['nll'] / c.count).exp().item():.{digits}f}", f"{kld:.6f} ± {error:.6f}",
                   f"{100 * c.mean_and_error('same')[0]:.2f}%"]
     return "| " + " | ".join(cells) + " |"
 
@@ -68,6 +68,7 @@ def main():
     p.add_argument("--ctx", type=int, default=256)
     p.add_argument("--chunks", type=int, default=20)
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--digits", type=int, default=4, help="the perplexity's decimals (llama-perplexity prints 4)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="gguf-kld-") as folder:
@@ -79,12 +80,13 @@ def main():
         print(f"{len(texts)} chunks of {args.ctx} tokens, {len(texts) * (args.ctx - 1 - args.ctx // 2):,} tokens scored\n")
         print("| type | matrices | llama_mini perplexity | KLD from F32 | same top | llama.cpp perplexity | KLD from F32 | "
               "same top |\n|---|---|---|---|---|---|---|---|")
-        print(row("F32", file_types(f32), figures(base_ours, base_ours, texts), figures(base_theirs, base_theirs, texts)))
+        print(row("F32", file_types(f32), figures(base_ours, base_ours, texts), figures(base_theirs, base_theirs, texts),
+                  args.digits))
         for kind in args.types:
             path = quantize_with_llama_cpp(f32, Path(folder) / f"{kind}.gguf", kind.removesuffix("_M"),
                                            pure=not kind.endswith("_M"), threads=args.threads)
             print(row(kind, file_types(path), figures(ours(path, texts), base_ours, texts),
-                      figures(llama_cpp(path, texts, args.threads), base_theirs, texts)), flush=True)
+                      figures(llama_cpp(path, texts, args.threads), base_theirs, texts), args.digits), flush=True)
             path.unlink()
 
 
