@@ -70,6 +70,8 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--digits", type=int, default=4, help="the perplexity's decimals (llama-perplexity prints 4)")
     args = p.parse_args()
+    if not 0 <= args.digits <= 9:
+        p.error(f"--digits {args.digits}: give 0 to 9 decimals")
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="gguf-kld-") as folder:
         f32 = convert(args.ckpt, Path(folder) / "F32.gguf", "gguf", gguf_type="f32")
