@@ -214,7 +214,7 @@ def read_gguf(path: Path, dtype=None):
     BF16 tensors stay views of the mapped file; quantized ones are dequantized one at a time,
     to dtype (default float32, which holds every dequantized value exactly).
     """
-    file = GGUFFile(path)
+    file = GGUFFile(path, string_arrays=False)
     args, names, _ = _gguf_args(file, path)
     state = {ours: file.tensor(theirs, dtype) for ours, theirs in names.items()}
     if args.tie_embeddings:
@@ -229,7 +229,7 @@ def load_gguf_blocks(path: Path, converter=None):
     QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
     float32. No float copy of a quantized matrix is ever made; activations are float32.
     converter: layer_from_blocks', the CPU kernels' where they run."""
-    file = GGUFFile(path)
+    file = GGUFFile(path, string_arrays=False)
     if all(info.type in FLOATS for info in file.tensors.values()):
         return None
     args, names, model = _gguf_args(file, path)
@@ -271,7 +271,7 @@ def load_gguf_blocks(path: Path, converter=None):
 
 def gguf_args(path: Path) -> ModelArgs:
     """The ModelArgs of a GGUF file, from its metadata and tensor list (and the small rope_freqs)."""
-    return _gguf_args(GGUFFile(path), path)[0]
+    return _gguf_args(GGUFFile(path, string_arrays=False), path)[0]
 
 
 def _gguf_args(file: GGUFFile, path: Path):

@@ -42,6 +42,7 @@ _SCALARS = {
 }
 _LENGTH = struct.Struct("<Q")  # a string's length
 _CHUNK_ELEMENTS = 1 << 20  # the rows dequantized at once: a few MB of float32 beside the result
+_STEPPED_OVER = object()  # an array of strings left out (string_arrays=False)
 
 
 @dataclass(frozen=True)
@@ -60,10 +61,14 @@ class GGUFFile:
     Values are Python ints, floats, bools and strings; arrays of strings are lists, arrays of
     numbers numpy views of the file. A float32 value is read as the shortest decimal that gives
     it back (1e-05, not 9.99999974738e-06): the number the writer had.
+
+    string_arrays=False leaves the arrays of strings (the vocabulary, which the tokenizer reads) out
+    of fields: their lengths are checked and stepped over and no string is made, so that loading
+    the model does not read the vocabulary a second time.
     """
 
-    def __init__(self, path):
-        self.path = Path(path)
+    def __init__(self, path, string_arrays: bool = True):
+        self.path, self.string_arrays = Path(path), string_arrays
         with open(self.path, "rb") as f:
             if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
                 raise ValueError(f"{self.path} is not a GGUF file (it does not start with {GGUF_MAGIC!r})")
@@ -83,7 +88,9 @@ class GGUFFile:
             if key in self.fields:
                 raise self._corrupt(f"the metadata key {key[:80]!r} appears twice")
             (kind,) = self._unpack("<I")
-            self.fields[key], self.value_types[key] = self._value(kind, key)
+            value, self.value_types[key] = self._value(kind, key)
+            if value is not _STEPPED_OVER:
+                self.fields[key] = value
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if self.value_types.get("general.alignment", (GGUFValueType.UINT32,))[0] != GGUFValueType.UINT32 or \
                 alignment < 1 or alignment & (alignment - 1):
@@ -125,9 +132,9 @@ class GGUFFile:
     def _string(self) -> str:
         return self._strings(1)[0]
 
-    def _strings(self, count: int) -> list:
+    def _strings(self, count: int, made: bool = True) -> list:
         """count strings, each its length and its UTF-8 bytes, checked against the bytes left: in one
-        loop, as a vocabulary is hundreds of thousands of them."""
+        loop, as a vocabulary is hundreds of thousands of them. made=False steps over them."""
         strings, data, pos, end = [], self.map, self.pos, len(self.map)
         for _ in range(count):
             if pos + 8 > end:
@@ -137,10 +144,11 @@ class GGUFFile:
             pos += 8
             if length > end - pos:
                 raise self._corrupt(f"a string of {length} bytes at byte {pos} runs past the end")
-            try:
-                strings.append(data[pos : pos + length].decode("utf-8"))
-            except UnicodeDecodeError:
-                raise self._corrupt(f"a string at byte {pos} is not UTF-8") from None
+            if made:
+                try:
+                    strings.append(data[pos : pos + length].decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise self._corrupt(f"a string at byte {pos} is not UTF-8") from None
             pos += length
         self.pos = pos
         return strings
@@ -162,7 +170,8 @@ class GGUFFile:
             if count > MAX_STRINGS:  # refused before a Python string is made of each (about 60 bytes apiece)
                 raise self._corrupt(f"{key[:80]!r} holds {count} strings, more than any tokenizer's vocabulary "
                                     f"or merges ({MAX_STRINGS})")
-            return self._strings(count), (kind, item)
+            strings = self._strings(count, self.string_arrays)
+            return strings if self.string_arrays else _STEPPED_OVER, (kind, item)
         return self._numbers(item, count), (kind, item)
 
     def _value_type(self, kind: int, key: str) -> GGUFValueType:

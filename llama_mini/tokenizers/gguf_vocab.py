@@ -10,7 +10,6 @@ Both keep the file's BOS, EOS, end-of-turn (EOT) and end-of-message (EOM) ids, s
 and encode_dialog work as for Meta's files. Any other vocabulary is refused in one line.
 """
 
-import math
 import os
 import re
 
@@ -64,8 +63,9 @@ class Vocabulary:
         self.tokens = fields.get(Keys.Tokenizer.LIST)
         if not isinstance(self.tokens, list) or not self.tokens:
             raise self.refuse(f"{Keys.Tokenizer.LIST} is not a list of strings")
-        self.types = self.array(fields, Keys.Tokenizer.TOKEN_TYPE, [TokenType.NORMAL] * len(self.tokens))
-        self.scores = self.array(fields, Keys.Tokenizer.SCORES, None)
+        types = self.array(fields, Keys.Tokenizer.TOKEN_TYPE)
+        self.types = [TokenType.NORMAL] * len(self.tokens) if types is None else types.tolist()
+        self.scores = self.array(fields, Keys.Tokenizer.SCORES)  # a numpy array: not a float object per token
         self.merges = fields.get(Keys.Tokenizer.MERGES, [])
         self.ids = {key: self.token_id(fields, key) for key in (Keys.Tokenizer.BOS_ID, *STOP_KEYS, Keys.Tokenizer.PAD_ID)}
         self.add_space_prefix = fields.get(Keys.Tokenizer.ADD_PREFIX, True)
@@ -75,13 +75,14 @@ class Vocabulary:
     def refuse(self, why: str) -> ValueError:
         return ValueError(f"{self.path}: its vocabulary is damaged ({why}); download or convert it again")
 
-    def array(self, fields, key, default):
+    def array(self, fields, key):
+        """The array of one number per token at key (a numpy view), or None where the file has none."""
         values = fields.get(key)
         if values is None:
-            return default
+            return None
         if not isinstance(values, np.ndarray) or len(values) != len(self.tokens):
             raise self.refuse(f"{key} is not one number per token")
-        return values.tolist()
+        return values
 
     def token_id(self, fields, key):
         value = fields.get(key)
@@ -99,7 +100,7 @@ class GgufSentencePiece(ScoreBpeTokenizer):
     def __init__(self, model_path, vocab: Vocabulary):
         if vocab.scores is None:
             raise vocab.refuse(f"a 'llama' vocabulary needs {Keys.Tokenizer.SCORES}")
-        if not all(map(math.isfinite, vocab.scores)):  # a NaN score would make every merge's order arbitrary
+        if not np.isfinite(vocab.scores).all():  # a NaN score would make every merge's order arbitrary
             raise vocab.refuse(f"{Keys.Tokenizer.SCORES} holds NaN or inf")
         known = set(vocab.tokens)  # SentencePiece merges by scores; merges, where present, must still name tokens
         if any(part not in known for merge in vocab.merges for part in str(merge).split(" ")):

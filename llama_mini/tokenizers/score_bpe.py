@@ -10,6 +10,7 @@ encoded with it here; SentencePiece's own model files are read by SentencePiece 
 
 import codecs
 import heapq
+from array import array
 
 from .base import Tokenizer
 
@@ -32,7 +33,7 @@ class ScoreBpeTokenizer(Tokenizer):
     def __init__(self, model_path: str, pieces: list[bytes], scores, bos_id: int, eos_id: int, pad_id: int,
                  byte_ids: dict[int, int], unspellable: set[int], silent: set[int], dummy_prefix: bool = True):
         self.model_path = model_path
-        self.pieces, self.scores = pieces, scores
+        self.pieces, self.scores = pieces, array("d", scores)  # not a float object per piece
         self.n_words = len(pieces)
         self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
         self.byte_ids, self.silent, self.dummy_prefix = byte_ids, silent, dummy_prefix

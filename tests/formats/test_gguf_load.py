@@ -26,6 +26,7 @@ from llama_mini.formats.gguf import export_gguf
 from llama_mini.formats.names import from_format, to_format
 from llama_mini.model import rope_frequencies
 from llama_mini.quant.layers import Int8Linear
+from llama_mini.support.gguf_file import GGUFFile
 from llama_mini.tokenizers import open_tokenizer
 from llama_mini.tokenizers.spm import train_sentencepiece
 from llama_mini.run import corpus
@@ -254,6 +255,25 @@ def refusal(tmp_path, args=None, drop=(), fields=None, tensors=None) -> str:
 ])
 def test_a_file_llama_mini_cannot_run_exactly_is_refused_in_one_line(tmp_path, case, fragment):
     assert fragment in refusal(tmp_path, **case)
+
+
+def test_loading_steps_over_the_vocabulary_the_tokenizer_has_read(tmp_path, tokenizer_path):
+    """The model is loaded from the file's metadata without its arrays of strings (a vocabulary,
+    tens to hundreds of thousands of them, which the tokenizer reads): the same fields less those,
+    the same tensors, and each string's length still checked against the bytes left."""
+    path = export_gguf(small_model(), tmp_path / "m.gguf", tokenizer_path, "f32")
+    whole, stepped = GGUFFile(path), GGUFFile(path, string_arrays=False)
+    strings = {key for key, (kind, item) in whole.value_types.items() if item == V.STRING}
+    assert strings == {"tokenizer.ggml.tokens"} and len(whole.fields["tokenizer.ggml.tokens"]) == VOCAB
+    assert stepped.fields.keys() == whole.fields.keys() - strings
+    assert all(np.array_equal(stepped.fields[key], whole.fields[key]) for key in stepped.fields)
+    assert stepped.value_types == whole.value_types and stepped.tensors == whole.tensors
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tokenizer.ggml.tokens") + len("tokenizer.ggml.tokens") + 4 + 4 + 8  # the type, items' type, count
+    data[at : at + 8] = (1 << 40).to_bytes(8, "little")  # the first token's length, past the end
+    (tmp_path / "long.gguf").write_bytes(data)
+    with pytest.raises(ValueError, match="runs past the end"):
+        GGUFFile(tmp_path / "long.gguf", string_arrays=False)
 
 
 @pytest.mark.parametrize("field, value, fragment", [

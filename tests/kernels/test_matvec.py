@@ -498,6 +498,62 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
             before = after
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_a_prompt_chunks_activations_in_reused_buffers_are_its_operators_bit_for_bit(ops, quantization):
+    """Activations of 64 KB and more (here 256 positions of 256 values, and of 768) come from
+    buffers earlier layers let go (csrc/activations.cpp): the same numbers, layer after layer,
+    as the operators give in buffers of their own."""
+    from llama_mini.quant import quantize
+
+    model = kernel_model(n_layers=2, dim=256, hidden_dim=768, max_seq_len=600)
+    if quantization:
+        quantize(model, quantization)
+    use_cpu_kernels(model)
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        model.setup_cache(1, 600)
+        for start, rows in ((0, 256), (256, 256), (512, 70)):  # a prompt's chunks, the last one short
+            x = torch.randn(1, rows, 256, generator=g)
+            cos, sin = rope_cos_sin(model.args, start, rows)
+            for block in model.layers:
+                cache = block.attention.cache
+                before = cache.k.clone(), cache.v.clone()
+                expected = block_on_the_operators(ops, block, x, cos, sin, start)
+                cache.k.copy_(before[0]), cache.v.copy_(before[1])
+                got = block_on_kernels(block, x, cos, sin, start)
+                assert got is not None and torch.equal(got, expected)
+                x = got
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_a_prompt_chunk_holds_about_one_layers_activations_at_once(ops):
+    """A chunk of 256 positions through twelve layers of 110M's shape (dim 768, hidden 2048)
+    raises a process's peak by about what one layer holds at once, five activations of dim and
+    two of hidden (8.1 MB), whatever the layer count: each layer's activations take the buffers
+    the layer before let go. Allocated anew in each layer, the C library's heap grew around them
+    to 18-19 MB."""
+    code = (
+        "import torch\n"
+        "from llama_mini import ModelArgs, Transformer\n"
+        "from llama_mini.generation import prefill\n"
+        "from llama_mini.kernels import use_cpu_kernels\n"
+        "torch.manual_seed(0)\n"
+        "args = ModelArgs(dim=768, n_layers=12, n_heads=12, vocab_size=512, hidden_dim=2048, max_seq_len=512)\n"
+        "model = use_cpu_kernels(Transformer(args).eval())\n"
+        "tokens = torch.randint(0, 512, (1, 256))\n"
+        "peak = lambda: next(int(line.split()[1]) * 1024 for line in open('/proc/self/status') if line.startswith('VmHWM'))\n"
+        "with torch.inference_mode():\n"
+        "    model.setup_cache(1, 300)\n"
+        "    prefill(model, tokens[:, :1])  # the threads and their buffers\n"
+        "    before = peak()\n"
+        "    prefill(model, tokens)\n"
+        "print(peak() - before)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    one_layer = (5 * 768 + 2 * 2048) * 4 * 256
+    assert int(result.stdout.split()[-1]) < 1.25 * one_layer
+
+
 def test_a_step_past_the_cache_is_left_to_the_models_own_error(ops):
     model = use_cpu_kernels(kernel_model())
     model.setup_cache(1, 4)

@@ -9,6 +9,7 @@
 #include <initializer_list>
 
 #include "kernels.h"
+#include "activations.h"
 #include "ops.h"
 
 namespace llama_mini {
@@ -37,7 +38,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                 "llama_mini::attention: float32 cos and sin, head_dim values per position");
     const at::Tensor qc = q.contiguous(), kc = k.contiguous(), vc = v.contiguous();
     const at::Tensor cosc = cos.contiguous(), sinc = sin.contiguous();
-    at::Tensor out = at::empty({batch, rows, heads, head_dim}, q.options());
+    at::Tensor out = activation({batch, rows, heads, head_dim}, q.options());
     const int64_t work = batch * heads * rows * (start + rows) * 2 * head_dim;
     ::attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(), k_cache.mutable_data_ptr(),
                 v_cache.mutable_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(),

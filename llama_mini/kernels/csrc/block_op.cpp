@@ -18,6 +18,7 @@
 
 #include <optional>
 
+#include "activations.h"
 #include "ops.h"
 
 namespace llama_mini {
@@ -62,6 +63,11 @@ at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const
         return linear(input, weights[i], scales[i], offsets[i], super_scales[i], super_offsets[i]);
     };
     const int64_t batch = x.size(0), rows = x.size(1), dim = x.size(2), head_dim = k_cache.size(3);
+    const ReusedActivations reused;  // each activation in the buffer of the layer before's
+    const auto residual = [](const at::Tensor& a, const at::Tensor& b) {
+        at::Tensor sum = activation(a.sizes(), a.options());
+        return at::add_out(sum, a, b);
+    };
 
     // Each activation is let go as soon as it is read (reset), and the gate takes SwiGLU's result:
     // a prompt's chunk then holds about five of them at once, not thirteen.
@@ -72,14 +78,14 @@ at::Tensor block_op(const at::Tensor& x, const at::Tensor& attention_norm, const
     h.reset();
     at::Tensor attended = attention_op(q, k, v, k_cache, v_cache, cos, sin, start);
     q.reset(), k.reset(), v.reset();
-    const at::Tensor after_attention = at::add(x, project(attended.view({batch, rows, -1}), 3));
+    const at::Tensor after_attention = residual(x, project(attended.view({batch, rows, -1}), 3));
     attended.reset();
 
     at::Tensor g = rms_norm(after_attention, ffn_norm, eps, dim, vector_bytes);
     at::Tensor gate = project(g, 4);
     swiglu_in_place(gate, project(g, 6));
     g.reset();
-    return at::add(after_attention, project(gate, 5));
+    return residual(after_attention, project(gate, 5));
 }
 
 }  // namespace llama_mini

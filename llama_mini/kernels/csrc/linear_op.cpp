@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "activations.h"
 #include "ops.h"
 
 namespace llama_mini {
@@ -35,7 +36,7 @@ at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
     float_type(x, "the input");
     std::vector<int64_t> sizes = x.sizes().vec();
     sizes.back() = n;
-    return at::empty(sizes, x.options());
+    return activation(sizes, x.options());
 }
 
 // x rounded to int8 in blocks of 32 (quantize_activations), in per-thread buffers.

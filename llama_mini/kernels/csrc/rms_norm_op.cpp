@@ -17,6 +17,7 @@
 
 #include <tuple>
 
+#include "activations.h"
 #include "ops.h"
 #include "rms_norm.h"
 
@@ -66,7 +67,7 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& x, const at::Tensor
     TORCH_CHECK(n_rms >= 1 && n_rms <= dim || rows == 0, "llama_mini::rms_norm: n_rms ", n_rms,
                 " outside 1..", dim);
     const Kernel& k = kernel_for(x, weight);
-    at::Tensor y = at::empty(x.sizes(), x.options().dtype(weight.scalar_type()));
+    at::Tensor y = activation(x.sizes(), x.options().dtype(weight.scalar_type()));
     at::Tensor rstd = at::empty({rows}, x.options().dtype(x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
     k.forward(x.const_data_ptr(), weight.const_data_ptr(), y.mutable_data_ptr(), rstd.mutable_data_ptr(), rows,
               dim, n_rms, eps, lanes(x, vector_bytes), threads_for(x));
