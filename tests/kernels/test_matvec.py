@@ -498,22 +498,31 @@ def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization)
             before = after
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
-def test_a_prompt_chunks_activations_in_reused_buffers_are_its_operators_bit_for_bit(ops, quantization):
-    """Activations of 64 KB and more (here 256 positions of 256 values, and of 768) come from
-    buffers earlier layers let go (csrc/activations.cpp): the same numbers, layer after layer,
-    as the operators give in buffers of their own."""
+# (dtype, quantization, shape): 110M-like proportions, and an odd head size (48) and hidden size (172)
+REUSED = [(torch.float32, None, dict(dim=256, hidden_dim=768)), (torch.float32, "int8", dict(dim=256, hidden_dim=768)),
+          (torch.bfloat16, None, dict(dim=256, hidden_dim=768)),
+          (torch.float32, None, dict(dim=96, n_heads=2, n_kv_heads=1, hidden_dim=172))]
+
+
+@pytest.mark.parametrize("dtype, quantization, shape", REUSED, ids=["fp32", "int8", "bf16", "head-48-hidden-172"])
+def test_a_prompt_chunks_activations_in_reused_buffers_are_its_operators_bit_for_bit(ops, dtype, quantization, shape):
+    """Activations of 64 KB and more (here a batch of two rows of 256 positions) come from buffers
+    earlier layers let go (csrc/activations.cpp): the same numbers, layer after layer and chunk
+    after chunk (the last ones short: 70 rows, 17, 1), NaN where the operators give it, as the
+    operators give in buffers of their own."""
     from llama_mini.quant import quantize
 
-    model = kernel_model(n_layers=2, dim=256, hidden_dim=768, max_seq_len=600)
+    model = kernel_model(n_layers=2, max_seq_len=700, **shape).to(dtype)
     if quantization:
         quantize(model, quantization)
     use_cpu_kernels(model)
     g = torch.Generator().manual_seed(2)
     with torch.inference_mode():
-        model.setup_cache(1, 600)
-        for start, rows in ((0, 256), (256, 256), (512, 70)):  # a prompt's chunks, the last one short
-            x = torch.randn(1, rows, 256, generator=g)
+        model.setup_cache(2, 700)
+        for start, rows in ((0, 256), (256, 256), (512, 70), (582, 17), (599, 1)):
+            x = torch.randn(2, rows, model.args.dim, generator=g).to(dtype)
+            if rows == 70:
+                x[1, 3, 5] = float("nan")  # the second row's positions from 3 on attend to it
             cos, sin = rope_cos_sin(model.args, start, rows)
             for block in model.layers:
                 cache = block.attention.cache
@@ -521,7 +530,8 @@ def test_a_prompt_chunks_activations_in_reused_buffers_are_its_operators_bit_for
                 expected = block_on_the_operators(ops, block, x, cos, sin, start)
                 cache.k.copy_(before[0]), cache.v.copy_(before[1])
                 got = block_on_kernels(block, x, cos, sin, start)
-                assert got is not None and torch.equal(got, expected)
+                assert got is not None
+                torch.testing.assert_close(got, expected, rtol=0, atol=0, equal_nan=True)
                 x = got
 
 
