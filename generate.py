@@ -63,7 +63,7 @@ def read_prompt_file(path) -> str:
 
 def check_cache_fits(model, positions: int, device) -> None:
     """Refuse, in one line, a KV cache of positions that cannot fit the device's free memory."""
-    needed = kv_cache_bytes(model.args, 1, positions, next(model.parameters()).dtype)
+    needed = kv_cache_bytes(model.args, 1, positions, model.kv_dtype())
     check_free_memory(needed, f"a KV cache of {positions} positions", device, "lower --max-seq-len or --max-new-tokens")
 
 

@@ -70,7 +70,7 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
     operators(), cpu_kernel()  # the CPU kernels' libraries, loaded and checked
     before = vm("VmRSS")
     start = time.perf_counter()
-    flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
+    flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False, kv_cache=None)
     model = load_model(flags, Path(path), detect_format(Path(path)), open_tokenizer(path))
     loaded = time.perf_counter()
     tokens = torch.tensor([prompt_tokens(prompt_len, model.args.vocab_size)])
@@ -85,7 +85,7 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
         decode_s = time.perf_counter() - t
     return {"load_s": loaded - start, "first_token_s": loaded - start + prompt_s, "prompt_tok_s": prompt_len / prompt_s,
             "decode_tok_s": new / decode_s, "peak": vm("VmHWM") - before,
-            "kv": kv_cache_bytes(model.args, 1, prompt_len + new, torch.float32)}
+            "kv": kv_cache_bytes(model.args, 1, prompt_len + new, model.kv_dtype())}
 
 
 def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:

@@ -215,7 +215,8 @@ class KVCache(nn.Module):
 
     Preallocating avoids a torch.cat per generated token (quadratic copying) and keeps the
     shapes static for torch.compile. Layout (B, n_kv_heads, max_seq_len, head_dim), the one
-    scaled_dot_product_attention reads.
+    scaled_dot_product_attention reads. Its dtype may be narrower than the activations'
+    (float16, llama.cpp's default): a long context's decoding step then reads half the bytes.
     """
 
     def __init__(self, batch_size, max_seq_len, n_kv_heads, head_dim, device, dtype):
@@ -225,7 +226,8 @@ class KVCache(nn.Module):
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
     def update(self, start_pos: int, k, v):
-        """Store k, v (B, n_kv_heads, T, head_dim) at start_pos; return all keys and values so far."""
+        """Store k, v (B, n_kv_heads, T, head_dim) at start_pos, rounded to the cache's dtype;
+        return all keys and values so far, in k's dtype."""
         B, _, T, _ = k.shape
         end = start_pos + T
         if B > self.k.shape[0] or end > self.k.shape[2]:
@@ -235,7 +237,7 @@ class KVCache(nn.Module):
             )
         self.k[:B, :, start_pos:end] = k
         self.v[:B, :, start_pos:end] = v
-        return self.k[:B, :, :end], self.v[:B, :, :end]
+        return self.k[:B, :, :end].to(k.dtype), self.v[:B, :, :end].to(v.dtype)
 
 
 class Attention(nn.Module):
@@ -340,6 +342,7 @@ class Transformer(nn.Module):
                 "set it from the tokenizer, e.g. args.vocab_size = tokenizer.n_words"
             )
         self.args = args
+        self.cache_dtype: Optional[torch.dtype] = None  # the KV cache's, where not the activations' (setup_cache)
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
         self.norm = build_norm(args)
@@ -360,13 +363,18 @@ class Transformer(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def setup_cache(self, batch_size: int, max_seq_len: Optional[int] = None):
-        """Allocate a KV cache on the model's device and dtype for incremental decoding. From
-        now on every forward stores its keys and values in it; drop_cache() ends that."""
+        """Allocate a KV cache on the model's device, in kv_dtype(), for incremental decoding.
+        From now on every forward stores its keys and values in it; drop_cache() ends that."""
         max_seq_len = max_seq_len or self.args.max_seq_len
-        weight = next(self.parameters())  # the embedding's (held as integers: the first norm's), in the activations' dtype
+        device = next(self.parameters()).device
         for layer in self.layers:
             attn = layer.attention
-            attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, weight.device, weight.dtype)
+            attn.cache = KVCache(batch_size, max_seq_len, attn.n_kv_heads, attn.head_dim, device, self.kv_dtype())
+
+    def kv_dtype(self) -> torch.dtype:
+        """The KV cache's dtype: cache_dtype where set, else the activations'."""
+        weight = next(self.parameters())  # the embedding's (held as integers: the first norm's), in the activations' dtype
+        return self.cache_dtype or weight.dtype
 
     def drop_cache(self):
         """Free the KV cache: forwards then process each sequence on its own again."""

@@ -21,10 +21,12 @@ def test_the_parameter_count_from_the_shape_is_the_models(shape):
 
 
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_kv_cache_bytes_are_the_caches_the_model_allocates(shape, dtype):
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.float16)])
+def test_the_kv_cache_bytes_are_the_caches_the_model_allocates(shape, dtype, cache_dtype):
     model = Transformer(ModelArgs(**shape, max_seq_len=40)).to(dtype)
+    model.cache_dtype = cache_dtype
     model.setup_cache(3, 40)
+    dtype = model.kv_dtype()
     allocated = sum(b.numel() * b.element_size() for layer in model.layers for b in (layer.attention.cache.k, layer.attention.cache.v))
     assert kv_cache_bytes(model.args, 3, 40, dtype) == allocated
 

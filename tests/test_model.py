@@ -136,6 +136,28 @@ def test_cache_lives_on_model_device_and_dtype():
         assert model(torch.zeros(3, 4, dtype=torch.long), start_pos=4).dtype == torch.float32
 
 
+@torch.no_grad()
+def test_a_float16_cache_holds_the_keys_rounded_and_attends_in_the_models_dtype():
+    """cache_dtype float16 under a float32 model (llama.cpp's cache): the first layer's cache
+    holds the float32 cache's keys and values rounded to float16, bit for bit, and decoding
+    attends to them read back in float32: logits within float16's rounding of the float32
+    cache's."""
+    wide, narrow = tiny_model(**CONFIGS["gqa"]), tiny_model(**CONFIGS["gqa"])
+    narrow.cache_dtype = torch.float16
+    tokens = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    for model in (wide, narrow):
+        model.setup_cache(2, 12)
+    assert narrow.kv_dtype() == torch.float16 and narrow.layers[0].attention.cache.k.dtype == torch.float16
+    steps = [(tokens[:, :8], 0)] + [(tokens[:, p:p + 1], p) for p in range(8, 12)]
+    for chunk, position in steps:
+        expected, got = wide(chunk, position), narrow(chunk, position)
+        assert got.dtype == torch.float32
+        spread = (expected.amax(-1) - expected.amin(-1)).max()
+        assert 0 < (got - expected).abs().max() <= 3e-3 * spread  # rounded, slightly
+    first, rounded = wide.layers[0].attention.cache, narrow.layers[0].attention.cache  # the first layer's inputs are alike
+    assert torch.equal(first.k.half(), rounded.k) and torch.equal(first.v.half(), rounded.v)
+
+
 def test_rope_tables_cover_the_positions_used_not_the_whole_context():
     """A context of 250M positions (a hostile config) or 128K (Llama-3) allocates nothing
     up front: each forward computes cos/sin for its own positions only."""

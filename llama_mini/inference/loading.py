@@ -5,6 +5,8 @@ and `python -m llama_mini.evaluate` share, so both read every format, --dtype, -
 import sys
 import time
 
+import torch
+
 from ..support.cli import KERNELS
 from ..support.device import DTYPES, bfloat16_notice, pick_device
 from ..formats.checkpoint import (checkpoint_tokenizer, detect_format, find_tokenizer, load_checkpoint, read_args,
@@ -20,6 +22,8 @@ def add_model_arguments(p) -> None:
     p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own; a GGUF file's is inside it)")
     p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
+    p.add_argument("--kv-cache", choices=DTYPES, help="the KV cache's dtype (default: float16 for a GGUF file, as "
+                                                      "llama.cpp keeps it; else the model's)")
     p.add_argument("--device", help="default: cuda, else mps, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
@@ -83,11 +87,13 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
     model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=max_seq_len,
                             tokenizer_path=tokenizer.model_path, quantize=args.quantize, converter=converter)
     check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
+    model.cache_dtype = DTYPES[args.kv_cache] if args.kv_cache else torch.float16 if fmt == "gguf" else None
     quantization = getattr(model, "quantization", None)
     quantized = f" with {quantization.get('held', quantization['method'] + ' weights')}" if quantization else ""
+    cache = f", a {str(model.cache_dtype).removeprefix('torch.')} KV cache" if model.cache_dtype else ""
     print(
         f"loaded {fmt} checkpoint {ckpt}: {parameter_count(model) / 1e6:.1f}M parameters, "
-        f"{next(model.parameters()).dtype}{quantized}, {device}, in {time.perf_counter() - start:.1f}s",
+        f"{next(model.parameters()).dtype}{quantized}{cache}, {device}, in {time.perf_counter() - start:.1f}s",
         file=sys.stderr,
     )
     if kernels:

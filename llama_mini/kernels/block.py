@@ -120,7 +120,7 @@ def block_on_kernels(block, x, cos, sin, start_pos: int):
         values = torch.empty_like(keys)
     else:
         return None
-    if keys.dtype != x.dtype or batch > keys.shape[0] or start_pos + rows > keys.shape[2]:
+    if keys.dtype not in FLOATS or batch > keys.shape[0] or start_pos + rows > keys.shape[2]:
         return None
     return operators().block(x, *operands, keys, values, cos, sin, start_pos)
 

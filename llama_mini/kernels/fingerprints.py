@@ -32,7 +32,7 @@ FINGERPRINTS = {
     "model:Attention.rotate": "75421c314f9c0197",
     "model:Attention.forward": "fe6b8e5170da8d8f",
     "model:KVCache.__init__": "26f0eaa55528d4c1",
-    "model:KVCache.update": "aa7421371ef2cedb",
+    "model:KVCache.update": "333cb64528a026b4",
     "model:FeedForward.gate": "9f72290dab103bae",
     "model:FeedForward.forward": "8b17d35bc1014d7b",
     "model:TransformerBlock.forward": "0df41cbf9a907634",

@@ -252,7 +252,7 @@ def test_generate_converts_a_files_blocks_by_the_kernels_where_they_run_to_the_s
     path, tensors = q4_k_m
     converted, convert = [], kernel_blocks.convert
     monkeypatch.setattr(kernel_blocks, "convert", lambda kind, blocks, layer: converted.append(kind) or convert(kind, blocks, layer))
-    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False)
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False, kv_cache=None)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
     model, expected = load_model(flags, path, "gguf", tokenizer), load_checkpoint(path)
     assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16} if kernels == "auto" else set())
@@ -479,3 +479,24 @@ def test_the_memory_the_layers_will_hold_is_checked_before_any_is_made(q4_k_m, m
             load_checkpoint(q4_k_m[0])
     monkeypatch.setattr(memory, "free_bytes", lambda device: held)
     assert load_checkpoint(q4_k_m[0]).quantization["method"] == "gguf"
+
+
+@pytest.mark.parametrize("flag, held", [(None, torch.float16), ("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_a_gguf_files_kv_cache_is_float16_as_llama_cpps_unless_kv_cache_names_another(q4_k_m, tmp_path, flag, held, capsys):
+    """generate.py keeps a GGUF file's keys and values in float16, llama.cpp's default (half
+    the bytes a long context's decoding step reads), says so on its loading line, and takes
+    --kv-cache; other checkpoints keep them in the model's dtype unless --kv-cache says."""
+    import argparse
+
+    from llama_mini.inference.loading import load_model
+
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False, kv_cache=flag)
+    tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
+    model = load_model(flags, q4_k_m[0], "gguf", tokenizer)
+    model.setup_cache(1, 8)
+    assert model.layers[0].attention.cache.k.dtype == held
+    assert f"a {str(held).removeprefix('torch.')} KV cache, cpu" in capsys.readouterr().err
+    save_checkpoint(Transformer(ARGS), tmp_path / "native")
+    native = load_model(flags, tmp_path / "native", "native", tokenizer)
+    assert native.kv_dtype() == (torch.float32 if flag is None else held)
+    assert ("KV cache" in capsys.readouterr().err) == (flag is not None)

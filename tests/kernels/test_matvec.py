@@ -285,11 +285,11 @@ def reference_attention(q, k, v, cache, cos, sin, start):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 16), (2, 1, 128)])
-def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim):
+def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim, cache_dtype=None):
     """A prompt from position 0, a decoding step, a chunk after cached positions, the last position."""
     args = ModelArgs(dim=heads * head_dim, n_heads=heads, n_kv_heads=kv_heads, vocab_size=8, max_seq_len=64)
     g = torch.Generator().manual_seed(heads + head_dim)
-    ours, theirs = (KVCache(2, 40, kv_heads, head_dim, "cpu", dtype) for _ in range(2))
+    ours, theirs = (KVCache(2, 40, kv_heads, head_dim, "cpu", cache_dtype or dtype) for _ in range(2))
     for start, rows in ((0, 20), (20, 1), (21, 18), (39, 1)):
         q = torch.randn(2, rows, heads, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(2, rows, kv_heads, head_dim, generator=g).to(dtype) for _ in range(2))
@@ -299,6 +299,17 @@ def test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, 
         assert torch.equal(ours.k, theirs.k) and torch.equal(ours.v, theirs.v)  # RoPE and the write, exactly
         assert got.shape == (2, rows, heads, head_dim) and got.dtype == dtype
         close(got, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, torch.float16), (torch.bfloat16, torch.float16),
+                                                (torch.float32, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (8, 2, 16), (2, 1, 48)])
+def test_attention_over_a_cache_of_another_dtype_stores_and_reads_it_as_kvcache_does(ops, dtype, cache_dtype, heads,
+                                                                                      kv_heads, head_dim):
+    """A float16 cache (llama.cpp's) under float32 or bfloat16 activations, and the others:
+    keys and values rounded to the cache's dtype as KVCache.update stores them, bit for bit,
+    and attended as SDPA attends to them read back."""
+    test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, dtype, heads, kv_heads, head_dim, cache_dtype)
 
 
 @pytest.mark.parametrize("head_dim", [8, 24, 48, 80, 96, 256])  # llama2.c's 8 and 48; a multiple of 8, not 16; Gemma's 256
@@ -472,10 +483,12 @@ def block_on_the_operators(ops, block, x, cos, sin, start):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])
-def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization):
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16], ids=["cache-as-model", "cache-f16"])
+def test_a_layers_forward_is_its_operators_bit_for_bit(ops, dtype, quantization, cache_dtype):
     from llama_mini.quant import quantize
 
     model = kernel_model(n_layers=1).to(dtype)
+    model.cache_dtype = cache_dtype
     if quantization:
         quantize(model, quantization)
     use_cpu_kernels(model)
@@ -601,8 +614,10 @@ def test_decoding_with_gradients_runs_the_models_own_operations(ops):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("norm", ["rmsnorm", "layernorm"])  # a norm the block operator does not take: the blocks' own code runs
-def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm):
+@pytest.mark.parametrize("cache_dtype", [None, torch.float16, torch.float32], ids=["cache-as-model", "cache-f16", "cache-f32"])
+def test_decoding_on_the_kernels_gives_the_models_logits(ops, dtype, norm, cache_dtype):
     reference = kernel_model(norm=norm).to(dtype)
+    reference.cache_dtype = cache_dtype
     fast = use_cpu_kernels(copy.deepcopy(reference))
     tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():

@@ -9,7 +9,9 @@
 // call or in pieces, or decoded token by token, gets the same numbers, bit for bit. Queries that
 // read one key/value head are computed together, each key and value row read once for all.
 // Rotation and rounding as model.py's; attention in float32, as SDPA computes it, the output
-// rounded once to the input dtype.
+// rounded once to the input dtype. The cache may be held in another float type (KVCache's
+// dtype, float16 for a long context): keys and values are stored rounded to it, as
+// KVCache.update stores them, and read back exactly.
 //
 // Plain C++ over raw pointers behind a C ABI (kernels.h), without torch; attention_op.cpp makes
 // the torch operator. x86-64 with AVX2 and FMA only; elsewhere the entry point is empty.
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -77,9 +80,9 @@ template <int FIXED, typename T> void load_row(HeadSize<FIXED> size, const T* p,
 // is its key row times q in sixteen lanes, folded to eight and summed pairwise (hsum8, eight
 // positions at a time); the softmax in float32 with exp8 (a NaN score makes every weight NaN,
 // as softmax does); the output sums each position's value row times its weight in order, then
-// divides by the weights' sum, rounded once to T.
-template <int G, int FIXED, typename T>
-void attend_group(HeadSize<FIXED> size, const Query* group, const T* k, const T* v, T* const* out) {
+// divides by the weights' sum, rounded once to T. Keys and values of type Cache, the cache's.
+template <int G, int FIXED, typename T, typename Cache>
+void attend_group(HeadSize<FIXED> size, const Query* group, const Cache* k, const Cache* v, T* const* out) {
     constexpr int64_t MC = HeadSize<FIXED>::MAX_CHUNKS;
     const int64_t D = size.dim(), C = size.chunks(), most = group[G - 1].positions;
     Floats16 q[G][MC];
@@ -154,8 +157,8 @@ void attend_group(HeadSize<FIXED> size, const Query* group, const T* k, const T*
 }
 
 // attend_group for the first `count` queries of group (1 <= count <= G).
-template <int G = GROUP, int FIXED, typename T>
-void attend_run(HeadSize<FIXED> size, int64_t count, const Query* group, const T* k, const T* v, T* const* out) {
+template <int G = GROUP, int FIXED, typename T, typename Cache>
+void attend_run(HeadSize<FIXED> size, int64_t count, const Query* group, const Cache* k, const Cache* v, T* const* out) {
     if constexpr (G > 1)
         if (count < G) return attend_run<G - 1>(size, count, group, k, v, out);
     attend_group<G>(size, group, k, v, out);
@@ -170,19 +173,30 @@ template <typename T> void rotate(const T* x, T* y, const float* cos, const floa
     }
 }
 
-template <int FIXED, typename T>
-void attend(HeadSize<FIXED> size, const T* q, const T* k, const T* v, T* k_cache, T* v_cache, T* out, const float* cos, const float* sin,
+// n values of type T stored as Cache: a copy where they are one type, else each rounded.
+template <typename T, typename Cache> void store_as(const T* x, Cache* y, int64_t n) {
+    if constexpr (std::is_same_v<T, Cache>)
+        std::memcpy(y, x, n * sizeof(T));
+    else
+        for (int64_t j = 0; j < n; j++) store1(y + j, load1(x + j));
+}
+
+template <int FIXED, typename T, typename Cache>
+void attend(HeadSize<FIXED> size, const T* q, const T* k, const T* v, Cache* k_cache, Cache* v_cache, T* out, const float* cos, const float* sin,
             int64_t batch, int64_t rows, int64_t heads, int64_t kv_heads, int64_t start, int64_t cache_batch_stride,
             int64_t cache_head_stride, int threads) {
     const int64_t D = size.dim();
-    // The new positions' keys (rotated) and values into the cache, as KVCache.update stores them.
+    // The new positions' keys (rotated, rounded to T) and values into the cache, as
+    // KVCache.update stores them.
+    std::vector<T> rotated(D);
     for (int64_t b = 0; b < batch; b++)
         for (int64_t i = 0; i < rows; i++)
             for (int64_t g = 0; g < kv_heads; g++) {
                 const int64_t from = ((b * rows + i) * kv_heads + g) * D;
                 const int64_t at = b * cache_batch_stride + g * cache_head_stride + (start + i) * D;
-                rotate(k + from, k_cache + at, cos + i * D, sin + i * D, D);
-                std::memcpy(v_cache + at, v + from, D * sizeof(T));
+                rotate(k + from, rotated.data(), cos + i * D, sin + i * D, D);
+                store_as(rotated.data(), k_cache + at, D);
+                store_as(v + from, v_cache + at, D);
             }
     // The queries of each key/value head, row by row, then head by head within its group, in
     // runs of GROUP: the work items, spread over the threads.
@@ -219,11 +233,14 @@ void attend(HeadSize<FIXED> size, const T* q, const T* k, const T* v, T* k_cache
 extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
                           const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
-                          int64_t cache_head_stride, int type, int threads) {
-    const auto run = [&]<int FIXED, typename T>(const T*) {
+                          int64_t cache_head_stride, int type, int cache_type, int threads) {
+    const auto run_cached = [&]<int FIXED, typename T, typename Cache>(const T*, const Cache*) {
         attend(HeadSize<FIXED>{head_dim}, static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v),
-               static_cast<T*>(k_cache), static_cast<T*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads,
+               static_cast<Cache*>(k_cache), static_cast<Cache*>(v_cache), static_cast<T*>(out), cos, sin, batch, rows, heads,
                kv_heads, start, cache_batch_stride, cache_head_stride, threads);
+    };
+    const auto run = [&]<int FIXED, typename T>(const T* of_type) {
+        as_float_type(nullptr, cache_type, [&](const auto* of_cache_type) { run_cached.template operator()<FIXED>(of_type, of_cache_type); });
     };
     const auto of_size = [&]<typename T>(const T* type) {
         switch (head_dim) {  // Llama's head sizes, unrolled; others (a multiple of 8, the op checks) as they come
@@ -238,6 +255,6 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
 #else  // no AVX2: nothing here runs (vector_kernels_available() says so).
 
 extern "C" void attention(const void*, const void*, const void*, void*, void*, void*, const float*, const float*,
-                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int) {}
+                          int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
 
 #endif

@@ -15,7 +15,8 @@
 namespace llama_mini {
 
 // q (B, T, heads, d), k and v (B, T, kv_heads, d): the new positions', as the linear layers
-// give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B'; cos, sin (T, d) float32.
+// give them; k_cache, v_cache (B', kv_heads, positions, d) with B <= B', of one float dtype
+// (KVCache's); cos, sin (T, d) float32.
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                         at::Tensor& v_cache, const at::Tensor& cos, const at::Tensor& sin, int64_t start) {
     TORCH_CHECK(vector_kernels_available(), "llama_mini::attention: this build has no vector kernels");
@@ -28,9 +29,10 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
                     start >= 0 && start + rows <= k_cache.size(2) && k_cache.stride(3) == 1 &&
                     k_cache.stride(2) == head_dim,
                 "llama_mini::attention: a cache (batch, kv_heads, positions, d) holding the positions");
-    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v, &k_cache, &v_cache})
-        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::attention: one dtype for q, k, v and the cache");
-    const int type = float_type(q, "q");
+    for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k, &v})
+        TORCH_CHECK(t->scalar_type() == q.scalar_type(), "llama_mini::attention: one dtype for q, k and v");
+    TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "llama_mini::attention: one dtype for the two caches");
+    const int type = float_type(q, "q"), cache_type = float_type(k_cache, "the cache");
     TORCH_CHECK(head_dim % 8 == 0 && head_dim >= 8 && head_dim <= 256,
                 "llama_mini::attention: head_dim ", head_dim, " is not a multiple of 8 up to 256");
     TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.numel() == rows * head_dim &&
@@ -43,7 +45,7 @@ at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tens
     ::attention(qc.const_data_ptr(), kc.const_data_ptr(), vc.const_data_ptr(), k_cache.mutable_data_ptr(),
                 v_cache.mutable_data_ptr(), out.mutable_data_ptr(), cosc.const_data_ptr<float>(),
                 sinc.const_data_ptr<float>(), batch, rows, heads, kv_heads, head_dim, start, k_cache.stride(0),
-                k_cache.stride(1), type, threads_for_work(work));
+                k_cache.stride(1), type, cache_type, threads_for_work(work));
     return out;
 }
 

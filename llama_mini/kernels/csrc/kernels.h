@@ -77,12 +77,12 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
 // heads and batch rows at the strides given; each row of q is rotated and attends to positions
 // 0 .. its own; out (batch, rows, heads, head_dim). Query head h reads key/value head
 // h / (heads / kv_heads). The rotation of row i: x[j] cos[i, j] + x[j ^ 1] sin[i, j], cos and
-// sin (rows, head_dim) (model.py's tables). All of one float type (type); head_dim a
-// multiple of 8 up to 256.
+// sin (rows, head_dim) (model.py's tables). q, k, v and out of one float type (type), the
+// caches of any (cache_type); head_dim a multiple of 8 up to 256.
 extern "C" void attention(const void* q, const void* k, const void* v, void* k_cache, void* v_cache, void* out,
                           const float* cos, const float* sin, int64_t batch, int64_t rows, int64_t heads,
                           int64_t kv_heads, int64_t head_dim, int64_t start, int64_t cache_batch_stride,
-                          int64_t cache_head_stride, int type, int threads);
+                          int64_t cache_head_stride, int type, int cache_type, int threads);
 
 // SwiGLU's gate: out = silu(a) * b for n elements of float type `type`, each element
 // computed alike wherever it sits.
