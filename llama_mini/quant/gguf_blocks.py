@@ -8,15 +8,15 @@ own code, dequantizes them), value for value:
 - Q4_0 -> symmetric int4, groups of 32: w = d (q - 8), the offset -8 d held by none.
 - Q4_1 -> int4: w = q d + m.
 - Q4_K -> int4 with factored scales and offsets: each sub-block of 32 has w = q (d sc) - dmin m,
-  and the layer holds d and -dmin per super-block of 256 (float32) and sc and m per group
-  (uint8): 4.75 bits a weight for Q4_K's 4.5. d sc and dmin m, a 16-bit float times a 6-bit
-  integer, are exact in float32, and so is q (d sc), four bits more.
-- Q5_K -> int5, as the file holds it: Q4_K's form (and factors) with a fifth bit: 5.75 bits a
+  and the layer holds d and -dmin per super-block of 256 (the file's float16) and sc and m
+  per group (uint8, where the file packs them in 6 bits): 4.63 bits a weight for Q4_K's 4.5.
+  d sc and dmin m, a 16-bit float times a 6-bit integer, are exact in float32, and so is
+  q (d sc), four bits more.
+- Q5_K -> int5, as the file holds it: Q4_K's form (and factors) with a fifth bit: 5.63 bits a
   weight for Q5_K's 5.5.
 - Q6_K -> int6, as the file holds it: w = (d sc) (q - 32), 6-bit codes in sub-blocks of 16 with
-  an int8 sc each, d per super-block of 256 (float32): 6.63 bits a weight for Q6_K's 6.56.
-Q8_0's, Q5_0's, Q4_0's and Q4_1's scales and offsets are the file's 16-bit floats, held as they
-are.
+  an int8 sc each, d per super-block of 256: 6.56 bits a weight, as the file.
+Every scale and offset is the file's 16-bit float, held as it is.
 
 The other types (Q5_1, Q2_K, Q3_K) are dequantized by gguf.quants and rounded to
 int8 in blocks of 32, the layer that adds the least error: at most half a step, about a block's
@@ -49,7 +49,7 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape, converter=None) -> tor
     out_features, in_features = shape
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         if kind == T.Q4_K:
-            layer = Int4Linear(in_features, out_features, 32, torch.float32, super_group_size=256)
+            layer = Int4Linear(in_features, out_features, 32, torch.float16, super_group_size=256)
         else:
             layer = Int4Linear(in_features, out_features, 32, torch.float16, symmetric=kind == T.Q4_0)
         convert = _INT4[kind]
@@ -71,16 +71,16 @@ def held_bytes(kind: T, shape) -> int:
     """The bytes of the layer layer_from_blocks makes of a matrix of kind and shape (out, in)."""
     out_features, in_features = shape
     n, blocks = out_features * in_features, out_features * -(-in_features // 32)
-    if kind == T.Q4_K and out_features % ROW_SET == 0:  # codes two a byte, uint8 factors per group, float32 per 256
-        return n // 2 + 2 * blocks + 2 * 4 * (n // 256)
+    if kind == T.Q4_K and out_features % ROW_SET == 0:  # codes two a byte, uint8 factors per group, float16 per 256
+        return n // 2 + 2 * blocks + 2 * 2 * (n // 256)
     if kind == T.Q4_0 and out_features % ROW_SET == 0:
         return n // 2 + 2 * blocks  # codes two a byte, a float16 scale per group of 32 (the offset is -8 times it)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         return n // 2 + 2 * 2 * blocks  # codes two a byte, a float16 scale and offset per group of 32
-    if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float32 per 256
-        return 5 * n // 8 + 2 * blocks + 2 * 4 * (n // 256)
-    if kind == T.Q6_K and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, float32 per 256
-        return 6 * n // 8 + n // 16 + 4 * (n // 256)
+    if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float16 per 256
+        return 5 * n // 8 + 2 * blocks + 2 * 2 * (n // 256)
+    if kind == T.Q6_K and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, a float16 per 256
+        return 6 * n // 8 + n // 16 + 2 * (n // 256)
     return n + 2 * blocks  # int8: a float16 or bfloat16 scale per block of 32
 
 
@@ -144,7 +144,7 @@ def _q4_k(rows, k):
     n, supers = len(rows), b.shape[1]
     sc, m = _scales_and_mins(b[..., 4:16])
     codes = _nibbles(b[..., 16:].reshape(n, supers, 4, 32)).reshape(n, k)
-    return codes, sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
+    return codes, sc, m, _half(b[..., :2]), -_half(b[..., 2:4])
 
 
 def _q5_k(rows, k):
@@ -157,7 +157,7 @@ def _q5_k(rows, k):
     codes = as_words(_nibbles(b[..., 48:].reshape(n, supers, 4, 32))).view(n, supers, 8, 8)  # ..., sub-block, words of 4
     fifth = as_words(b[..., 16:48]).view(n, supers, 1, 8) >> torch.arange(8, dtype=torch.int32)[:, None]
     codes |= fifth.bitwise_and_(0x01010101).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
-    return codes.view(torch.uint8).view(n, k), sc, m, _half(b[..., :2]).float(), -_half(b[..., 2:4]).float()
+    return codes.view(torch.uint8).view(n, k), sc, m, _half(b[..., :2]), -_half(b[..., 2:4])
 
 
 def _q6_k(rows, k):
@@ -171,7 +171,7 @@ def _q6_k(rows, k):
     high = as_words(b[..., 128:192]).view(n, supers, 2, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32)[:, None]
     codes |= high.bitwise_and_(0x03030303).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
     sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
-    return codes.view(torch.uint8).view(n, k), sc, _half(b[..., 208:]).float()
+    return codes.view(torch.uint8).view(n, k), sc, _half(b[..., 208:])
 
 
 def _requantized(kind: T):

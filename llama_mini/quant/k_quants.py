@@ -63,20 +63,20 @@ class KQuantLinear(nn.Module):
 
 class Int5Linear(KQuantLinear):
     """y = quantized_activations(x) W^T with W = q (d sc) - dmin m: 5-bit codes q (0..31) in groups
-    of 32 inputs, each with uint8 factors sc and m, and float32 d and -dmin per row and 256 inputs.
+    of 32 inputs, each with uint8 factors sc and m, and float16 d and -dmin per row and 256 inputs.
     It is llama.cpp's Q5_K as the file holds it (5.5 bits a weight; here 5.75): Int4Linear's
     factored form with a fifth bit, exact in float32 as Q4_K's is (layout.py's int5)."""
 
     bits, group_size = 5, 32
-    FACTORS = (("scales", 32, torch.uint8), ("offsets", 32, torch.uint8), ("super_scales", 256, torch.float32),
-               ("super_offsets", 256, torch.float32))
+    FACTORS = (("scales", 32, torch.uint8), ("offsets", 32, torch.uint8), ("super_scales", 256, torch.float16),
+               ("super_offsets", 256, torch.float16))
     pack, unpack = staticmethod(pack_int5), staticmethod(unpack_int5)
 
     def group_scales_and_offsets(self, ids=None):
         """(d sc, -dmin m), each (out_features, groups) in float32; of rows ids only, where given."""
         rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
         per = self.super_group_size // self.group_size
-        return tuple(rows(supers).repeat_interleave(per, dim=1) * rows(factors).float()
+        return tuple(rows(supers).float().repeat_interleave(per, dim=1) * rows(factors).float()
                      for supers, factors in ((self.super_scales, self.scales), (self.super_offsets, self.offsets)))
 
     def weights(self, codes: torch.Tensor, ids=None) -> torch.Tensor:
@@ -88,20 +88,20 @@ class Int5Linear(KQuantLinear):
 
 class Int6Linear(KQuantLinear):
     """y = quantized_activations(x) W^T with W = d s (q - 32): 6-bit codes q (0..63) in
-    sub-blocks of 16 inputs, each with an int8 factor s, and a float32 d per row and 256 inputs.
+    sub-blocks of 16 inputs, each with an int8 factor s, and a float16 d per row and 256 inputs.
     It is llama.cpp's Q6_K as the file holds it (6.56 bits a weight; here 6.63), for a GGUF
     file's Q6_K matrices (every Q4_K_M file has some): d s, a 16-bit float times an int8, is
     exact in float32, and so is d s (q - 32) (layout.py's int6)."""
 
     bits, group_size = 6, 16
-    FACTORS = (("scales", 16, torch.int8), ("super_scales", 256, torch.float32))
+    FACTORS = (("scales", 16, torch.int8), ("super_scales", 256, torch.float16))
     pack, unpack = staticmethod(pack_int6), staticmethod(unpack_int6)
 
     def sub_block_scales(self, ids=None) -> torch.Tensor:
         """d s for each row and sub-block of 16 inputs, (out_features, in_features / 16), in float32;
         of rows ids only, where given."""
         rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
-        supers = rows(self.super_scales).repeat_interleave(self.super_group_size // self.group_size, dim=1)
+        supers = rows(self.super_scales).float().repeat_interleave(self.super_group_size // self.group_size, dim=1)
         return supers * rows(self.scales).float()
 
     def weights(self, codes: torch.Tensor, ids=None) -> torch.Tensor:

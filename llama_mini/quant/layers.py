@@ -21,8 +21,8 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   [-absmax, absmax], which wastes a level or a half range on lopsided groups) matters. It is
   llama.cpp's own formula for Q4_1 and Q4_K (and Q4_0's, with offset -8 scale), so their blocks
   are carried over exactly (gguf_blocks.py). A layer may hold its scales and offsets factored,
-  as llama.cpp's K-quants do (super_group_size): a float32 factor per super-group of inputs
-  times a uint8 per group, 4.75 bits a weight where float32 per group takes 6; their products
+  as llama.cpp's K-quants do (super_group_size): a float factor per super-group of inputs
+  times a uint8 per group, 4.63 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
 The int5 and int6 layers of GGUF's Q5_K and Q6_K (k_quants.py) compute the same function.
 
@@ -190,7 +190,7 @@ class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
     each with a scale and an offset, rows in sets of eight (layout.py) or, once hold_plain_rows is
     called, plain rows of two codes a byte. With super_group_size, scales and offsets are uint8
-    factors of float32 super_scales and super_offsets, one per super-group of inputs. Symmetric,
+    factors of float super_scales and super_offsets, one per super-group of inputs. Symmetric,
     each group's offset is -8 times its scale (llama.cpp's Q4_0: w = d (q - 8)), so none is held."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,

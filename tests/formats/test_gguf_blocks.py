@@ -50,11 +50,11 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     layer = layer_from_blocks(kind, blocks, SHAPE)
     expected = files_weights(kind, blocks, SHAPE)
     assert type(layer) is EXACT[kind]
-    if kind in (T.Q4_K, T.Q5_K):  # factored as the file holds them: a 6-bit integer per group, float32 per super-block
-        assert layer.super_group_size == 256 and layer.super_scales.dtype == torch.float32
+    if kind in (T.Q4_K, T.Q5_K):  # factored as the file holds them: a 6-bit integer per group, its float16 per super-block
+        assert layer.super_group_size == 256 and layer.super_scales.dtype == layer.super_offsets.dtype == torch.float16
         assert layer.scales.dtype == torch.uint8 and layer.scales.max() < 64 and layer.offsets.max() < 64
-    elif kind == T.Q6_K:  # as the file holds them: an int8 per sub-block of 16, float32 per super-block
-        assert layer.scales.dtype == torch.int8 and layer.super_scales.dtype == torch.float32
+    elif kind == T.Q6_K:  # as the file holds them: an int8 per sub-block of 16, its float16 per super-block
+        assert layer.scales.dtype == torch.int8 and layer.super_scales.dtype == torch.float16
         assert layer.scales.min() == -128 and layer.scales.max() == 127  # random blocks: every factor
     else:  # the file's own 16-bit floats
         assert layer.scales.dtype == torch.float16

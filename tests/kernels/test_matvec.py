@@ -192,7 +192,7 @@ def test_symmetric_int4_matches_float64_with_offsets_minus_8_scales(ops, dtype, 
 
 def int5_layer(n, k, g):
     """llama.cpp's Q5_K as Int5Linear holds it: codes 0..31 (all 0 and all 31 in two rows), uint8
-    factors per group of 32 (the largest, 255, too), float32 d and -dmin per 256."""
+    factors per group of 32 (the largest, 255, too), float16 d and -dmin per 256."""
     from llama_mini.quant.k_quants import Int5Linear
 
     codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
@@ -208,7 +208,7 @@ def int5_layer(n, k, g):
 
 def int6_layer(n, k, g):
     """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63 (all 63 and all 0 in two rows), an
-    int8 factor per sub-block of 16 inputs (its extremes -128 and 127 too), float32 per 256."""
+    int8 factor per sub-block of 16 inputs (its extremes -128 and 127 too), float16 per 256."""
     from llama_mini.quant.k_quants import Int6Linear
 
     codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
@@ -241,6 +241,30 @@ def test_int5_and_int6_match_float64_as_the_files_blocks_hold_them(ops, make, dt
     got = getattr(ops, f"linear_{make.__name__[:4]}")(x, *operands)
     close(got, quantized_activations(x).double() @ w.t(), dtype)
     torch.set_num_threads(1)
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("make", [int5_layer, int6_layer, "factored int4"], ids=["int5", "int6", "factored-int4"])
+def test_the_k_quant_kernels_read_super_scales_held_as_float32_alike(ops, make, rows):
+    """The K-quants' layers hold d (and -dmin) as the file's float16; a checkpoint converted
+    before held them as float32, the same values, and loads them as they are: the same outputs."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(rows, 768, generator=g)
+    if make == "factored int4":
+        from llama_mini.quant.layers import Int4Linear
+
+        factors = torch.randint(0, 64, (2, 16, 24), generator=g, dtype=torch.uint8)
+        supers = (torch.rand(2, 16, 3, generator=g) - 0.5).half()
+        layer = Int4Linear.from_codes(torch.randint(0, 16, (16, 768), generator=g, dtype=torch.uint8), *factors, 32, *supers)
+        op = ops.linear_int4
+    else:
+        layer, _ = make(16, 768, g)
+        op = getattr(ops, f"linear_{make.__name__[:4]}")
+    names = [name for name in ("weight", "scales", "offsets", "super_scales", "super_offsets") if hasattr(layer, name)]
+    held = [getattr(layer, name) for name in names]
+    assert layer.super_scales.dtype == torch.float16
+    widened = [t.float() if name.startswith("super") else t for name, t in zip(names, held)]
+    assert torch.equal(op(x, *held), op(x, *widened))
 
 
 def test_the_int8_layout_puts_each_rows_inputs_where_the_kernel_reads_them():

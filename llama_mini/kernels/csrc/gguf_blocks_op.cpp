@@ -42,20 +42,20 @@ Kind kind_of(int64_t kind) {
         case 6: return {32, 22, 8, {{32, 2}}};                                  // Q5_0: d, codes - 16
         case 2: return {32, 18, 4, {{32, 2}}};                                  // Q4_0: d
         case 3: return {32, 20, 4, {{32, 2}, {32, 2}}};                         // Q4_1: d, m
-        case 12: return {256, 144, 4, {{32, 1}, {32, 1}, {256, 4}, {256, 4}}};  // Q4_K: sc, m, d, -dmin
-        case 13: return {256, 176, 5, {{32, 1}, {32, 1}, {256, 4}, {256, 4}}};  // Q5_K: the same
-        case 14: return {256, 210, 6, {{16, 1}, {256, 4}}};                     // Q6_K: sc, d
+        case 12: return {256, 144, 4, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q4_K: sc, m, d, -dmin
+        case 13: return {256, 176, 5, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q5_K: the same
+        case 14: return {256, 210, 6, {{16, 1}, {256, 2}}};                     // Q6_K: sc, d
     }
     TORCH_CHECK(false, "llama_mini::gguf_blocks: no converter for GGML type ", kind);
 }
 
-float half_at(const uint8_t* p) {
-    c10::Half h;
+// The float16 at p, negated (its sign bit flipped, as torch negates it), written to `to`.
+void put_negated_half(uint8_t* to, const uint8_t* p) {
+    uint16_t h;
     std::memcpy(&h, p, 2);
-    return static_cast<float>(h);
+    h ^= 0x8000;
+    std::memcpy(to, &h, 2);
 }
-
-void put_float(uint8_t* p, float f) { std::memcpy(p, &f, 4); }
 
 // Q4_K's and Q5_K's twelve bytes of 6-bit sub-block scales and mins (llama.cpp's get_scale_min_k4).
 void scales_and_mins(const uint8_t* q, uint8_t* sc, uint8_t* m) {
@@ -92,7 +92,7 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
             const uint8_t* qs = b + (kind == 12 ? 16 : 48);
             const uint8_t* fifth = b + 16;
             scales_and_mins(b + 4, factor[0], factor[1]);
-            put_float(factor[2], half_at(b)), put_float(factor[3], -half_at(b + 2));
+            std::memcpy(factor[2], b, 2), put_negated_half(factor[3], b + 2);
             for (int c = 0; c < 4; c++)
                 for (int i = 0; i < 32; i++) {
                     uint8_t low = qs[32 * c + i] & 0x0F, high = qs[32 * c + i] >> 4;
@@ -103,7 +103,7 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
         }
         case 14: {
             const uint8_t *ql = b, *qh = b + 128;
-            std::memcpy(factor[0], b + 192, 16), put_float(factor[1], half_at(b + 208));
+            std::memcpy(factor[0], b + 192, 16), std::memcpy(factor[1], b + 208, 2);
             for (int n = 0; n < 2; n++)
                 for (int l = 0; l < 32; l++) {
                     const uint8_t* low = ql + 64 * n;

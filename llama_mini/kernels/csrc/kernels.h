@@ -56,20 +56,22 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
 // W int5 (llama.cpp's Q5_K): linear_int4's factored form, groups of 32 and super-groups of 256,
 // with codes 0..31: k % 256 == 0. For set p and block b, codes[p, b] is 160 bytes: int4's 128,
 // then 32 of fifth bits, byte 4j + u holding those of run c's two inputs (8c + u, 8c + 4 + u) of
-// row 8p + j in bits 2c and 2c + 1. Scales and offsets uint8, super_scales and super_offsets float32.
+// row 8p + j in bits 2c and 2c + 1. Scales and offsets uint8, super_scales and super_offsets of
+// float type super_type (a GGUF file's float16).
 extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const uint8_t* scales, const uint8_t* offsets, const float* super_scales,
-                            const float* super_offsets, void* y, int64_t rows, int64_t n, int64_t k, int y_type, int threads);
+                            const uint8_t* scales, const uint8_t* offsets, const void* super_scales,
+                            const void* super_offsets, int super_type, void* y, int64_t rows, int64_t n, int64_t k,
+                            int y_type, int threads);
 
 // W int6 (llama.cpp's Q6_K): W[i, j] = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs,
-// s an int8 per row and sub-block, d a float32 per row and 256 inputs. n % 8 == 0, k % 256 == 0.
+// s an int8 per row and sub-block, d per row and 256 inputs, of float type super_type. n % 8 == 0, k % 256 == 0.
 // For set p and block b of 32 inputs, codes[p, b] is 192 bytes: a run of 96 per half h of the
 // block (inputs 16h .. 16h + 15): int4's runs 2h and 2h + 1 of their low nibbles, then 32 bytes
 // of their high two bits, byte 4j + u holding run 2h's in bits 0-3 (input u's, then 4 + u's) and
 // run 2h + 1's in bits 4-7. scales are (n / 8, k / 16, 8), super_scales (n / 8, k / 256, 8).
 extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const int8_t* scales, const float* super_scales, void* y, int64_t rows, int64_t n, int64_t k,
-                            int y_type, int threads);
+                            const int8_t* scales, const void* super_scales, int super_type, void* y, int64_t rows,
+                            int64_t n, int64_t k, int y_type, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored

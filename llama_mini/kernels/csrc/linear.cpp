@@ -527,10 +527,11 @@ struct Int6Format {
     };
     struct Scales {};
     const int8_t* sub_scales;  // (n / 8, k / 16, 8)
-    const void* super_scales;  // (n / 8, k / 256, 8), float32
+    const void* super_scales;  // (n / 8, k / 256, 8), of super_type
     const int32_t* half_sums;  // (rows, k / 32): the sum of each block's first 16 activations
     const int32_t* block_sums;  // (rows, k / 32): the activations' sums (Activations::sums)
     int64_t blocks;
+    int super_type;
 
     static Sum start(int32_t) { return Floats16::zero(); }
     Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
@@ -539,7 +540,7 @@ struct Int6Format {
         six_bit_codes<0>(Ints16::load(first, second), high, run.q[0], run.q[1]);
         six_bit_codes<4>(Ints16::load(first + 32, second + 32), high, run.q[2], run.q[3]);
         run.scale = mul(set_pair_int8_floats(sub_scales, first_set, second_set, 2 * blocks, 2 * b + c),
-                        set_pair_scales(super_scales, F32, first_set, second_set, blocks / 8, b / 8));
+                        set_pair_scales(super_scales, super_type, first_set, second_set, blocks / 8, b / 8));
         return run;
     }
     Inputs inputs(const int8_t* block, int64_t row, int64_t b, int c) const {
@@ -859,10 +860,11 @@ void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen&
 }
 
 extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const uint8_t* scales, const uint8_t* offsets, const float* super_scales,
-                            const float* super_offsets, void* y, int64_t rows, int64_t n, int64_t k, int y_type, int threads) {
+                            const uint8_t* scales, const uint8_t* offsets, const void* super_scales,
+                            const void* super_offsets, int super_type, void* y, int64_t rows, int64_t n, int64_t k, int y_type,
+                            int threads) {
     const int64_t groups = k / BLOCK;
-    const Int4Format format{scales, offsets, F32, groups, 1};
+    const Int4Format format{scales, offsets, super_type, groups, 1};
     if (rows < FACTORED_ROWS) {
         integer_linear({xq, xd, xsum}, FifthBit<FactoredInt4Format>{{format, super_scales, super_offsets, k / 256, 8}}, codes, y,
                        rows, n, k, y_type, threads);
@@ -880,8 +882,8 @@ extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xs
 }
 
 extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const int8_t* scales, const float* super_scales, void* y, int64_t rows, int64_t n, int64_t k,
-                            int y_type, int threads) {
+                            const int8_t* scales, const void* super_scales, int super_type, void* y, int64_t rows, int64_t n,
+                            int64_t k, int y_type, int threads) {
     thread_local std::vector<int32_t> half_sums;
     const int64_t blocks = k / BLOCK;
     half_sums.resize(rows * blocks);
@@ -890,7 +892,7 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
         for (int j = 0; j < 16; j++) sum += xq[i * BLOCK + j];
         half_sums[i] = sum;
     }
-    const Int6Format format{scales, super_scales, half_sums.data(), xsum, blocks};
+    const Int6Format format{scales, super_scales, half_sums.data(), xsum, blocks, super_type};
     if (rows < FACTORED_ROWS) {
         integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_type, threads);
         return;
@@ -915,8 +917,8 @@ extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const i
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
                             const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int5(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint8_t*, const uint8_t*,
-                            const float*, const float*, void*, int64_t, int64_t, int64_t, int, int) {}
-extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const float*, void*,
-                            int64_t, int64_t, int64_t, int, int) {}
+                            const void*, const void*, int, void*, int64_t, int64_t, int64_t, int, int) {}
+extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const void*, int,
+                            void*, int64_t, int64_t, int64_t, int, int) {}
 
 #endif

@@ -159,12 +159,13 @@ at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                     "llama_mini::linear_int5: uint8 scales and offsets (rows / 8, inputs / 32 * 8)");
     for (const at::Tensor* t : {&super_scales, &super_offsets})
         TORCH_CHECK(t->dim() == 2 && t->size(0) == codes.size(0) && t->size(1) == k / 256 * 8 && t->is_contiguous() &&
-                        t->scalar_type() == at::kFloat,
-                    "llama_mini::linear_int5: float32 super_scales and super_offsets (rows / 8, inputs / 256 * 8)");
+                        t->scalar_type() == super_scales.scalar_type(),
+                    "llama_mini::linear_int5: super_scales and super_offsets (rows / 8, inputs / 256 * 8) of one dtype");
+    const int super_type = float_type(super_scales, "super_scales");
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int5(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr<uint8_t>(), offsets.const_data_ptr<uint8_t>(), super_scales.const_data_ptr<float>(),
-                  super_offsets.const_data_ptr<float>(), call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"),
+                  scales.const_data_ptr<uint8_t>(), offsets.const_data_ptr<uint8_t>(), super_scales.const_data_ptr(),
+                  super_offsets.const_data_ptr(), super_type, call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"),
                   threads_for(call.rows, n, k));
     return call.y;
 }
@@ -177,11 +178,12 @@ at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                     scales.scalar_type() == at::kChar,
                 "llama_mini::linear_int6: int8 scales (rows / 8, inputs / 16 * 8), one per row and sub-block of 16 inputs");
     TORCH_CHECK(super_scales.dim() == 2 && super_scales.size(0) == codes.size(0) && super_scales.size(1) == k / 256 * 8 &&
-                    super_scales.is_contiguous() && super_scales.scalar_type() == at::kFloat,
-                "llama_mini::linear_int6: float32 super_scales (rows / 8, inputs / 256 * 8), one per row and 256 inputs");
+                    super_scales.is_contiguous(),
+                "llama_mini::linear_int6: super_scales (rows / 8, inputs / 256 * 8), one per row and 256 inputs");
+    const int super_type = float_type(super_scales, "super_scales");
     const IntegerCall call = integer_call(x, n, k);
     ::linear_int6(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr<int8_t>(), super_scales.const_data_ptr<float>(), call.y.mutable_data_ptr(), call.rows, n, k,
+                  scales.const_data_ptr<int8_t>(), super_scales.const_data_ptr(), super_type, call.y.mutable_data_ptr(), call.rows, n, k,
                   float_type(call.y, "the input"), threads_for(call.rows, n, k));
     return call.y;
 }
