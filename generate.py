@@ -16,6 +16,7 @@ from llama_mini.support.cli import check_context, check_number, flag, run_main, 
 from llama_mini.inference.chat import MAX_PROMPT_BYTES, chat, complete, nth_seed
 from llama_mini.inference.loading import add_model_arguments, load_model, open_checkpoint, open_draft
 from llama_mini.generation import LOOKAHEAD, MAX_LOOKAHEAD, TEMPERATURE, TOP_P, check_sampling_args
+from llama_mini.support.device import DTYPES
 from llama_mini.support.memory import check_free_memory, kv_cache_bytes
 
 
@@ -34,6 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, help="sample i (chat turn i) uses seed + i; unset draws a random seed")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--max-seq-len", type=int, help="context length (default: the checkpoint's, or 4096)")
+    p.add_argument("--kv-cache", choices=DTYPES, help="the KV cache's dtype (default: float16 for a GGUF file, as "
+                                                      "llama.cpp keeps it; else the model's)")
     p.add_argument("--draft", help="speculative decoding: a smaller checkpoint of the same tokenizer proposes tokens that "
                                    "the model checks several at a time, or ngram: tokens copied from the text so far "
                                    "(prompt lookup); the same text, sooner")
@@ -79,9 +82,9 @@ def main(argv=None) -> None:
         except ValueError as e:
             raise ValueError(f"--system: {e}") from None
     draft = open_draft(args, ckpt, tokenizer)  # checked before any weight is read
-    model = load_model(args, ckpt, fmt, tokenizer, args.max_seq_len)
+    model = load_model(args, ckpt, fmt, tokenizer, args.max_seq_len, args.kv_cache)
     if isinstance(draft, tuple):
-        draft = load_model(args, *draft, tokenizer, args.max_seq_len)
+        draft = load_model(args, *draft, tokenizer, args.max_seq_len, args.kv_cache)
     device = next(model.parameters()).device
 
     if args.chat:

@@ -70,7 +70,7 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
     operators(), cpu_kernel()  # the CPU kernels' libraries, loaded and checked
     before = vm("VmRSS")
     start = time.perf_counter()
-    flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False, kv_cache=None)
+    flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
     model = load_model(flags, Path(path), detect_format(Path(path)), open_tokenizer(path))
     loaded = time.perf_counter()
     tokens = torch.tensor([prompt_tokens(prompt_len, model.args.vocab_size)])

@@ -22,8 +22,6 @@ def add_model_arguments(p) -> None:
     p.add_argument("--tokenizer", help="tokenizer.model, tokenizer.bin or tokenizer.json (default: the checkpoint's own; a GGUF file's is inside it)")
     p.add_argument("--dtype", choices=DTYPES, help="default: the stored dtype")
     p.add_argument("--quantize", choices=QUANTIZATIONS, help="store the linear layers' weights as int8 or int4 once loaded")
-    p.add_argument("--kv-cache", choices=DTYPES, help="the KV cache's dtype (default: float16 for a GGUF file, as "
-                                                      "llama.cpp keeps it; else the model's)")
     p.add_argument("--device", help="default: cuda, else mps, else cpu")
     p.add_argument("--compile", action="store_true", help="torch.compile the model (slow start, faster tokens)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
@@ -73,9 +71,10 @@ def same_tokenizer(a, b) -> bool:
         a.token_bytes() == b.token_bytes()
 
 
-def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
+def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None, kv_cache=None):
     """The model, on its device, on the CPU kernels where they run (or compiled), with a line
-    on stderr saying what was loaded and the notices of a slow path."""
+    on stderr saying what was loaded and the notices of a slow path. Its KV cache's dtype is
+    kv_cache (a DTYPES name), else float16 for a GGUF file (llama.cpp's), else the model's."""
     device = pick_device(args.device)
     kernels = device.type == "cpu" and args.kernels == "auto" and not args.compile
     converter = None
@@ -87,7 +86,7 @@ def load_model(args, ckpt, fmt, tokenizer, max_seq_len=None):
     model = load_checkpoint(ckpt, device=device, dtype=DTYPES.get(args.dtype), max_seq_len=max_seq_len,
                             tokenizer_path=tokenizer.model_path, quantize=args.quantize, converter=converter)
     check_vocab_size(tokenizer, model.args.vocab_size, ckpt)
-    model.cache_dtype = DTYPES[args.kv_cache] if args.kv_cache else torch.float16 if fmt == "gguf" else None
+    model.cache_dtype = DTYPES[kv_cache] if kv_cache else torch.float16 if fmt == "gguf" else None
     quantization = getattr(model, "quantization", None)
     quantized = f" with {quantization.get('held', quantization['method'] + ' weights')}" if quantization else ""
     cache = f", a {str(model.cache_dtype).removeprefix('torch.')} KV cache" if model.cache_dtype else ""

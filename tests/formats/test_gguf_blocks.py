@@ -252,7 +252,7 @@ def test_generate_converts_a_files_blocks_by_the_kernels_where_they_run_to_the_s
     path, tensors = q4_k_m
     converted, convert = [], kernel_blocks.convert
     monkeypatch.setattr(kernel_blocks, "convert", lambda kind, blocks, layer: converted.append(kind) or convert(kind, blocks, layer))
-    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False, kv_cache=None)
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
     model, expected = load_model(flags, path, "gguf", tokenizer), load_checkpoint(path)
     assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16} if kernels == "auto" else set())
@@ -490,13 +490,13 @@ def test_a_gguf_files_kv_cache_is_float16_as_llama_cpps_unless_kv_cache_names_an
 
     from llama_mini.inference.loading import load_model
 
-    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False, kv_cache=flag)
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
-    model = load_model(flags, q4_k_m[0], "gguf", tokenizer)
+    model = load_model(flags, q4_k_m[0], "gguf", tokenizer, kv_cache=flag)
     model.setup_cache(1, 8)
     assert model.layers[0].attention.cache.k.dtype == held
     assert f"a {str(held).removeprefix('torch.')} KV cache, cpu" in capsys.readouterr().err
     save_checkpoint(Transformer(ARGS), tmp_path / "native")
-    native = load_model(flags, tmp_path / "native", "native", tokenizer)
+    native = load_model(flags, tmp_path / "native", "native", tokenizer, kv_cache=flag)
     assert native.kv_dtype() == (torch.float32 if flag is None else held)
     assert ("KV cache" in capsys.readouterr().err) == (flag is not None)

@@ -153,7 +153,7 @@ def test_the_kernels_leave_a_layer_holding_plain_rows_to_torch_and_say_why():
 def loaded(tmp_path, kernels, compile_=False):
     save_checkpoint(quantize(tiny_model(), "int8"), tmp_path / "ckpt")
     args = argparse.Namespace(ckpt=str(tmp_path / "ckpt"), tokenizer=None, dtype=None, quantize=None, device="cpu",
-                              compile=compile_, kernels=kernels, kv_cache=None)
+                              compile=compile_, kernels=kernels)
     return load_model(args, tmp_path / "ckpt", "native", argparse.Namespace(model_path=None), max_seq_len=None)
 
 
