@@ -362,6 +362,31 @@ def test_a_native_checkpoint_holds_each_layer_as_the_file_held_it(tmp_path, tied
     assert all(torch.equal(from_native[name + ".weight"], weight) for name, weight in layers.items() if name != "tok_embeddings.table")
 
 
+def test_a_native_checkpoint_converted_before_holding_float32_super_scales_computes_the_same(q4_k_m, tmp_path):
+    """Checkpoints converted before held the K-quants' super-block scales as float32, the same
+    values the file's float16 ones are now held as: loaded as they are, on the kernels and off,
+    they give the file's logits."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from llama_mini.formats.convert import convert
+
+    convert(q4_k_m[0], tmp_path / "native", "native")
+    weights = tmp_path / "native" / "model.safetensors"
+    with safe_open(weights, "pt") as f:
+        metadata, tensors = f.metadata(), {name: f.get_tensor(name) for name in f.keys()}
+    supers = [name for name in tensors if name.endswith(("super_scales", "super_offsets"))]
+    assert supers and all(tensors[name].dtype == torch.float16 for name in supers)
+    save_file({name: t.float() if name in supers else t for name, t in tensors.items()}, weights, metadata)
+    older, held = load_checkpoint(tmp_path / "native"), load_checkpoint(q4_k_m[0])
+    assert all(older.get_submodule(name.rsplit(".", 1)[0]).get_buffer(name.rsplit(".", 1)[1]).dtype == torch.float32
+               for name in supers)
+    with torch.inference_mode():
+        assert torch.equal(older(PROMPT), held(PROMPT))
+        use_cpu_kernels(use_fused_rmsnorm(older)), use_cpu_kernels(use_fused_rmsnorm(held))
+        assert on_kernels(older) == on_kernels(held) and torch.equal(older(PROMPT), held(PROMPT))
+
+
 def test_a_native_record_that_does_not_fit_its_model_is_refused_in_one_line(q4_k_m, tmp_path):
     import json
 
