@@ -433,6 +433,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int):
     return codes.clamp(0, 15).to(torch.uint8).flatten(-2), scales, offsets
 
 
+LOOKUP_ROWS = 32  # tokens looked up at a time (QuantizedEmbedding)
+
+
 class QuantizedEmbedding(nn.Module):
     """A token embedding whose table is an integer layer's rows (int8 or int4, as a GGUF file
     holds it): looking tokens up dequantizes their rows only, to dtype (the activations'). With a
@@ -443,4 +446,12 @@ class QuantizedEmbedding(nn.Module):
         self.table, self.dtype = table, dtype
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.table.rows(tokens.flatten(), self.dtype).view(*tokens.shape, -1)
+        ids = tokens.flatten()
+        if torch.compiler.is_compiling():  # one graph for every prompt length
+            return self.table.rows(ids, self.dtype).view(*tokens.shape, -1)
+        out = torch.empty(len(ids), self.table.in_features, dtype=self.dtype, device=ids.device)
+        # A few rows at a time: each dequantizes its set of eight rows, and a prompt's chunk of
+        # 256 tokens at once would hold more temporaries than a layer's activations.
+        for start in range(0, len(ids), LOOKUP_ROWS):
+            out[start:start + LOOKUP_ROWS] = self.table.rows(ids[start:start + LOOKUP_ROWS], self.dtype)
+        return out.view(*tokens.shape, -1)

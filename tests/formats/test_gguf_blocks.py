@@ -282,6 +282,26 @@ def test_looking_up_tokens_gives_the_files_embedding_rows(q4_k_m):
     assert torch.equal(embedding(PROMPT), table[PROMPT])
 
 
+@pytest.mark.parametrize("kind", [T.Q6_K, T.Q5_K, T.Q4_K, T.Q8_0], ids=lambda kind: kind.name)
+def test_a_prompts_tokens_are_looked_up_a_few_rows_at_a_time_to_the_files_rows(kind, monkeypatch):
+    """A 256-token chunk and a batch of two 70-token prompts: the file's rows, in the tokens'
+    order, dequantized LOOKUP_ROWS tokens at a time (each token's set of eight rows unpacked
+    for all 256 at once held more temporaries than the layer's activations)."""
+    from llama_mini.quant.layers import LOOKUP_ROWS, QuantizedEmbedding
+
+    shape = (256, 512)
+    blocks = blocks_of(kind, shape)
+    embedding, table = QuantizedEmbedding(layer_from_blocks(kind, blocks, shape)), files_weights(kind, blocks, shape)
+    sizes, rows = [], embedding.table.rows
+    monkeypatch.setattr(embedding.table, "rows", lambda ids, dtype: sizes.append(len(ids)) or rows(ids, dtype))
+    generator = torch.Generator().manual_seed(0)
+    for tokens in (torch.randint(0, 256, (1, 256), generator=generator), torch.randint(0, 256, (2, 70), generator=generator)):
+        sizes.clear()
+        looked_up = embedding(tokens)
+        assert looked_up.shape == (*tokens.shape, 512) and torch.equal(looked_up, table[tokens])
+        assert max(sizes) == LOOKUP_ROWS and sum(sizes) == tokens.numel()
+
+
 def test_logits_are_the_dequantized_files_to_within_the_activations_rounding(q4_k_m):
     """The integer layers round their inputs to int8 in blocks of 32 (llama.cpp's Q8_0
     activations): the logits are the float32 model's to within that, and on the CPU kernels
