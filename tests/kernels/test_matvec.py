@@ -341,19 +341,22 @@ def test_attention_takes_every_head_size_that_is_a_multiple_of_8(ops, head_dim):
     test_attention_stores_the_cache_bit_for_bit_and_attends_as_sdpa(ops, torch.float32, 4, 2, head_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype):
-    """A NaN score makes its query's softmax NaN: the queries that see the key, and no other."""
+@pytest.mark.parametrize("dtype, cache_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.float16, None),
+                                                (torch.float32, torch.float16), (torch.bfloat16, torch.float16)])
+def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype, cache_dtype):
+    """A NaN score makes its query's softmax NaN: the queries that see the key, and no other;
+    a float16 cache holds the NaN as it is."""
     args = ModelArgs(dim=128, n_heads=2, n_kv_heads=1, vocab_size=8, max_seq_len=64)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 12, 2, 64, generator=g).to(dtype)
     k, v = (torch.randn(1, 12, 1, 64, generator=g).to(dtype) for _ in range(2))
     k[0, 5, 0, 7] = float("nan")
     cos, sin = rope_cos_sin(args, 0, 12)
-    cache = KVCache(1, 16, 1, 64, "cpu", dtype)
+    cache = KVCache(1, 16, 1, 64, "cpu", cache_dtype or dtype)
     got = ops.attention(q, k, v, cache.k, cache.v, cos, sin, 0)
     rq, rk = apply_rotary_emb(q, cos, sin).transpose(1, 2), apply_rotary_emb(k, cos, sin).transpose(1, 2)
-    expected = F.scaled_dot_product_attention(rq, rk, v.transpose(1, 2), is_causal=True, enable_gqa=True).transpose(1, 2)
+    rk, rv = (t.to(cache.k.dtype).to(dtype) for t in (rk, v.transpose(1, 2)))  # as the cache holds them
+    expected = F.scaled_dot_product_attention(rq, rk, rv, is_causal=True, enable_gqa=True).transpose(1, 2)
     assert torch.equal(got.isnan(), expected.isnan()) and got[0, 5:].isnan().all() and not got[0, :5].isnan().any()
     close(got[0, :5], expected[0, :5].double(), dtype)
     step = ops.attention(q[:, :1], k[:, :1], v[:, :1], cache.k, cache.v, *rope_cos_sin(args, 12, 1), 12)  # a decoding step sees it too

@@ -240,7 +240,8 @@ extern "C" void attention(const void* q, const void* k, const void* v, void* k_c
                kv_heads, start, cache_batch_stride, cache_head_stride, threads);
     };
     const auto run = [&]<int FIXED, typename T>(const T* of_type) {
-        as_float_type(nullptr, cache_type, [&](const auto* of_cache_type) { run_cached.template operator()<FIXED>(of_type, of_cache_type); });
+        as_float_type(nullptr, cache_type,
+                      [&](const auto* of_cache_type) { run_cached.template operator()<FIXED>(of_type, of_cache_type); });
     };
     const auto of_size = [&]<typename T>(const T* type) {
         switch (head_dim) {  // Llama's head sizes, unrolled; others (a multiple of 8, the op checks) as they come

@@ -13,7 +13,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <cstring>

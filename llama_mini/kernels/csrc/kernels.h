@@ -64,7 +64,8 @@ extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xs
                             int y_type, int threads);
 
 // W int6 (llama.cpp's Q6_K): W[i, j] = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs,
-// s an int8 per row and sub-block, d per row and 256 inputs, of float type super_type. n % 8 == 0, k % 256 == 0.
+// s an int8 per row and sub-block, d per row and 256 inputs, of float type super_type (a GGUF
+// file's float16). n % 8 == 0, k % 256 == 0.
 // For set p and block b of 32 inputs, codes[p, b] is 192 bytes: a run of 96 per half h of the
 // block (inputs 16h .. 16h + 15): int4's runs 2h and 2h + 1 of their low nibbles, then 32 bytes
 // of their high two bits, byte 4j + u holding run 2h's in bits 0-3 (input u's, then 4 + u's) and
