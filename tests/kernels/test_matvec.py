@@ -150,12 +150,15 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
 def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, rows):
     """Scales and offsets as llama.cpp's Q4_K holds them: uint8 factors per group of 32, float32
     per super-group of 256; each group's products, then the int4 function. From 16 rows they are
-    multiplied out once for the call (csrc/linear.cpp), for fewer in the tiles."""
+    multiplied out once for the call (csrc/linear.cpp), for fewer in the tiles. Without VNNI a
+    block's products are summed in int16 before widening: the largest codes and activations too."""
     from llama_mini.quant.layers import Int4Linear
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=g).to(dtype)
+    x[-1, :32] = 1.0  # a block of codes 127: with row 2's codes 15, a block's largest sums (int16 pairs, csrc/simd.h)
     codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
+    codes[2] = 15
     factors = torch.randint(0, 64, (2, 48, 24), generator=g, dtype=torch.uint8)
     factors[0, 3, 5] = 255  # the largest a factor can hold
     supers = (torch.rand(2, 48, 3, generator=g) * 1e-3 * torch.tensor([1.0, -1.0])[:, None, None]).half().float()
@@ -176,6 +179,7 @@ def test_symmetric_int4_matches_float64_with_offsets_minus_8_scales(ops, dtype, 
 
     g = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 768, generator=g) * 1e-3).to(dtype)
+    x[-1, 32:64] = -1e-3  # a block of codes -127: with row 4's, a block's largest sums
     codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 0, 15  # the extremes
     d = (torch.rand(48, 24, generator=g) * 1e-2).half()

@@ -444,7 +444,7 @@ struct Int8Format {
 // in its low nibbles, 8c + 4 .. 8c + 7 in its high.
 struct Int4Format {
     static constexpr int RUNS = 4, RUN_BYTES = 32, BLOCK_BYTES = 128;
-    using Sum = Ints16;
+    using Sum = U4Sums;
     struct Run {
         Codes16 low, high;
     };
@@ -459,19 +459,30 @@ struct Int4Format {
     int scale_type;  // the offsets' too
     int64_t groups, per_group;  // blocks per group
 
-    static Ints16 start(int32_t) { return Ints16::all(0); }
+    static Sum start(int32_t) { return u4_sums_zero(); }
     static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {
         Run run;
         nibbles(Ints16::load(first, second), run.low, run.high);
         return run;
     }
     static Inputs inputs(const int8_t* x, int64_t, int64_t, int c) { return {four_bytes(x + 8 * c), four_bytes(x + 8 * c + 4)}; }
-    static Ints16 dot(Ints16 acc, const Run& w, Inputs x) { return u4_dot(u4_dot(acc, w.low, x.low), w.high, x.high); }
+    static Sum dot(Sum acc, const Run& w, Inputs x) { return u4_add(u4_add(acc, w.low, x.low), w.high, x.high); }
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
         const int64_t g = b / per_group;
         return {set_pair_scales(scales, scale_type, first, second, groups, g), set_pair_scales(offsets, scale_type, first, second, groups, g)};
     }
-    static Floats16 add(Floats16 acc, Ints16 isum, const Scales& s, float d, int32_t activation_sum) {
+    static Floats16 add(Floats16 acc, Sum isum, const Scales& s, float d, int32_t activation_sum) {
+        return int4_block(acc, u4_total(isum), s.s, s.offsets, d, activation_sum);
+    }
+};
+
+// Codes 0..31 (int5): a block's sums would overflow U4Sums' int16, so each run's are widened
+// (u4_dot2: its low and high nibbles' pairs added, then widened once).
+template <typename F> struct FiveBitSums : F {
+    using Sum = Ints16;
+    static Sum start(int32_t) { return Ints16::all(0); }
+    static Sum dot(Sum acc, const typename F::Run& w, typename F::Inputs x) { return u4_dot2(acc, w.low, x.low, w.high, x.high); }
+    static Floats16 add(Floats16 acc, Sum isum, const typename F::Scales& s, float d, int32_t activation_sum) {
         return int4_block(acc, isum, s.s, s.offsets, d, activation_sum);
     }
 };
@@ -500,7 +511,7 @@ struct FactoredInt4Format : Int4Format {
 
 // int5 (llama.cpp's Q5_K): int4's format (F, factored or multiplied out) with a fifth bit per code,
 // from 32 bytes after each block's four runs (kernels.h).
-template <typename F> struct FifthBit : F {
+template <typename F> struct FifthBit : FiveBitSums<F> {
     static constexpr int BLOCK_BYTES = 160;
 
     typename F::Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
@@ -549,8 +560,7 @@ struct Int6Format {
         return {{four_bytes(x), four_bytes(x + 4), four_bytes(x + 8), four_bytes(x + 12)}, -32 * sum};
     }
     static Sum dot(Sum acc, const Run& w, const Inputs& x) {
-        Ints16 sub = Ints16::all(x.start);
-        for (int i = 0; i < 4; i++) sub = u4_dot(sub, w.q[i], x.x[i]);
+        const Ints16 sub = u4_dot2(u4_dot2(Ints16::all(x.start), w.q[0], x.x[0], w.q[1], x.x[1]), w.q[2], x.x[2], w.q[3], x.x[3]);
         return fma(to_float(sub), w.scale, acc);
     }
     Scales scales_of(int64_t, int64_t, int64_t) const { return {}; }
@@ -575,7 +585,7 @@ struct WideInt6Format : Int6Format {
 
 // int5 widened for a prompt (widen_int5): each code a byte, run c's inputs 8c + u, then its
 // 8c + 4 + u, and each group's scale and offset multiplied out in float32: int4's format, read as held.
-struct WideInt5Format : Int4Format {
+struct WideInt5Format : FiveBitSums<Int4Format> {
     static constexpr int RUN_BYTES = 64, BLOCK_BYTES = 256;
 
     static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {

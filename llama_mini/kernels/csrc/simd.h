@@ -267,9 +267,17 @@ inline Int8Run int8_run(Ints16 w) { return {_mm512_xor_si512(w.v, _mm512_set1_ep
 inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
     return {_mm512_dpbusd_epi32(acc.v, w.unsigned_w, _mm512_set1_epi32(x4))};
 }
-// int4 and int6: codes 0..15 or 0..63 (unsigned): each lane gains its row's four codes times the activations.
+// int4, int5 and int6: codes 0..15, 0..31 or 0..63 (unsigned). u4_dot2: each lane gains its row's
+// four codes of `a` times the activations xa, and of `b` times xb. vpdpbusd sums them in int32
+// at once, so the int16 sums of U4Sums (below, without VNNI) are int32 sums here.
 using Codes16 = __m512i;
-inline Ints16 u4_dot(Ints16 acc, Codes16 codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes, _mm512_set1_epi32(x4))}; }
+inline Ints16 u4_dot2(Ints16 acc, Codes16 a, int32_t xa, Codes16 b, int32_t xb) {
+    return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc.v, a, _mm512_set1_epi32(xa)), b, _mm512_set1_epi32(xb))};
+}
+using U4Sums = Ints16;
+inline U4Sums u4_sums_zero() { return Ints16::all(0); }
+inline U4Sums u4_add(U4Sums acc, Codes16 codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes, _mm512_set1_epi32(x4))}; }
+inline Ints16 u4_total(U4Sums sums) { return sums; }
 // The low and the high nibbles of a run of int4 codes.
 inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
@@ -315,11 +323,30 @@ inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
 struct Codes16 {
     __m256i lo, hi;
 };
-inline Ints16 u4_dot(Ints16 acc, Codes16 codes, int32_t x4) {
-    // codes <= 63 and |x| <= 127: two products fit an int16 before vpmaddwd widens them
-    const __m256i x = _mm256_set1_epi32(x4), ones = _mm256_set1_epi16(1);
-    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(codes.lo, x), ones)),
-            _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(codes.hi, x), ones))};
+// vpmaddubsw sums a row's products in pairs, in int16 lanes (two a row), and vpmaddwd widens
+// them to int32: four products of codes <= 63 and |x| <= 127 fit an int16 (4 63 127 = 32004),
+// so the pairs of two sets of codes are added before one widening.
+inline Ints16 u4_dot2(Ints16 acc, Codes16 a, int32_t xa, Codes16 b, int32_t xb) {
+    const __m256i x = _mm256_set1_epi32(xa), y = _mm256_set1_epi32(xb), ones = _mm256_set1_epi16(1);
+    const auto pairs = [&](__m256i ca, __m256i cb) {
+        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ca, x), _mm256_maddubs_epi16(cb, y)), ones);
+    };
+    return {_mm256_add_epi32(acc.lo, pairs(a.lo, b.lo)), _mm256_add_epi32(acc.hi, pairs(a.hi, b.hi))};
+}
+// int4's sums over a whole block, in the int16 pairs: its four runs of codes <= 15, low nibbles and
+// high, make sixteen products a lane, 16 15 127 = 30480, within an int16. One widening a block
+// (u4_total) instead of two a run: a prompt's int4 tiles are bound by these instructions.
+struct U4Sums {
+    __m256i lo, hi;  // int16
+};
+inline U4Sums u4_sums_zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+inline U4Sums u4_add(U4Sums acc, Codes16 codes, int32_t x4) {
+    const __m256i x = _mm256_set1_epi32(x4);
+    return {_mm256_add_epi16(acc.lo, _mm256_maddubs_epi16(codes.lo, x)), _mm256_add_epi16(acc.hi, _mm256_maddubs_epi16(codes.hi, x))};
+}
+inline Ints16 u4_total(U4Sums sums) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    return {_mm256_madd_epi16(sums.lo, ones), _mm256_madd_epi16(sums.hi, ones)};
 }
 inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
