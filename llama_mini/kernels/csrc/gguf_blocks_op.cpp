@@ -56,6 +56,15 @@ void put_negated_half(uint8_t* to, const uint8_t* p) {
     std::memcpy(to, &h, 2);
 }
 
+// Four bytes as one word, and back: masks and shifts within each byte then take four codes at once.
+uint32_t word(const uint8_t* p) {
+    uint32_t w;
+    std::memcpy(&w, p, 4);
+    return w;
+}
+void put_word(uint8_t* p, uint32_t w) { std::memcpy(p, &w, 4); }
+constexpr uint32_t LOW_NIBBLES = 0x0F0F0F0F, LOW_TWO_BITS = 0x03030303, LOW_BIT = 0x01010101;
+
 // Q4_K's and Q5_K's twelve bytes of 6-bit sub-block scales and mins (llama.cpp's get_scale_min_k4).
 void scales_and_mins(const uint8_t* q, uint8_t* sc, uint8_t* m) {
     for (int j = 0; j < 4; j++) sc[j] = q[j] & 63, m[j] = q[j + 4] & 63;
@@ -83,7 +92,7 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
             const uint8_t* qs = b + (kind == 2 ? 2 : 4);
             std::memcpy(factor[0], b, 2);
             if (kind == 3) std::memcpy(factor[1], b + 2, 2);
-            for (int j = 0; j < 16; j++) codes[j] = qs[j] & 0x0F, codes[j + 16] = qs[j] >> 4;
+            for (int j = 0; j < 16; j += 4) put_word(codes + j, word(qs + j) & LOW_NIBBLES), put_word(codes + j + 16, (word(qs + j) >> 4) & LOW_NIBBLES);
             return;
         }
         case 12:
@@ -93,10 +102,13 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
             scales_and_mins(b + 4, factor[0], factor[1]);
             std::memcpy(factor[2], b, 2), put_negated_half(factor[3], b + 2);
             for (int c = 0; c < 4; c++)
-                for (int i = 0; i < 32; i++) {
-                    uint8_t low = qs[32 * c + i] & 0x0F, high = qs[32 * c + i] >> 4;
-                    if (kind == 13) low |= ((fifth[i] >> (2 * c)) & 1) << 4, high |= ((fifth[i] >> (2 * c + 1)) & 1) << 4;
-                    codes[64 * c + i] = low, codes[64 * c + 32 + i] = high;
+                for (int i = 0; i < 32; i += 4) {
+                    uint32_t low = word(qs + 32 * c + i) & LOW_NIBBLES, high = (word(qs + 32 * c + i) >> 4) & LOW_NIBBLES;
+                    if (kind == 13) {
+                        low |= ((word(fifth + i) >> (2 * c)) & LOW_BIT) << 4;
+                        high |= ((word(fifth + i) >> (2 * c + 1)) & LOW_BIT) << 4;
+                    }
+                    put_word(codes + 64 * c + i, low), put_word(codes + 64 * c + 32 + i, high);
                 }
             return;
         }
@@ -104,14 +116,13 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
             const uint8_t *ql = b, *qh = b + 128;
             std::memcpy(factor[0], b + 192, 16), std::memcpy(factor[1], b + 208, 2);
             for (int n = 0; n < 2; n++)
-                for (int l = 0; l < 32; l++) {
-                    const uint8_t* low = ql + 64 * n;
-                    const uint8_t high = qh[32 * n + l];
+                for (int l = 0; l < 32; l += 4) {
+                    const uint32_t low = word(ql + 64 * n + l), low32 = word(ql + 64 * n + l + 32), high = word(qh + 32 * n + l);
                     uint8_t* q = codes + 128 * n;
-                    q[l] = (low[l] & 0x0F) | ((high & 3) << 4);
-                    q[l + 32] = (low[l + 32] & 0x0F) | (((high >> 2) & 3) << 4);
-                    q[l + 64] = (low[l] >> 4) | (((high >> 4) & 3) << 4);
-                    q[l + 96] = (low[l + 32] >> 4) | (((high >> 6) & 3) << 4);
+                    put_word(q + l, (low & LOW_NIBBLES) | ((high & LOW_TWO_BITS) << 4));
+                    put_word(q + l + 32, (low32 & LOW_NIBBLES) | (((high >> 2) & LOW_TWO_BITS) << 4));
+                    put_word(q + l + 64, ((low >> 4) & LOW_NIBBLES) | (((high >> 4) & LOW_TWO_BITS) << 4));
+                    put_word(q + l + 96, ((low32 >> 4) & LOW_NIBBLES) | (((high >> 6) & LOW_TWO_BITS) << 4));
                 }
             return;
         }
@@ -119,41 +130,41 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
 }
 
 // A set's eight rows of codes (row j at codes + j k) into the set's bytes of layout.py's int8,
-// int4, int5 or int6.
+// int4, int5 or int6. A run holds four inputs of each row, so each row's four bytes of a run are
+// one word: inputs i .. i + 3 in its low nibbles, i + 4 .. i + 7 in its high, and their fifth or
+// high two bits in the word after the runs.
 template <int bits>
 void pack_set(const uint8_t* codes, int64_t k, uint8_t* out) {
-    auto code = [&](int64_t j, int64_t i) { return codes[j * k + i]; };
-    auto nibbles = [&](int64_t j, int64_t i) { return uint8_t((code(j, i) & 0x0F) | ((code(j, i + 4) & 0x0F) << 4)); };
-    if constexpr (bits == 8) {  // a row's four bytes of a run move as one word
+    if constexpr (bits == 8) {
         for (int64_t c = 0; c < k / 4; c++)
             for (int64_t j = 0; j < ROWS; j++) std::memcpy(out + 32 * c + 4 * j, codes + j * k + 4 * c, 4);
         return;
     }
     for (int64_t b = 0; b < k / BLOCK; b++)
-        for (int64_t j = 0; j < ROWS; j++)
-            for (int64_t u = 0; u < 4; u++) {
-                const int64_t i = BLOCK * b + u;  // input u of the block's first run
-                if constexpr (bits == 4 || bits == 5) {
-                    uint8_t* block = out + (bits == 4 ? 128 : 160) * b;
-                    uint8_t fifth = 0;
-                    for (int64_t c = 0; c < 4; c++) {
-                        block[32 * c + 4 * j + u] = nibbles(j, i + 8 * c);
-                        fifth |= ((code(j, i + 8 * c) >> 4) & 1) << (2 * c) | ((code(j, i + 8 * c + 4) >> 4) & 1) << (2 * c + 1);
+        for (int64_t j = 0; j < ROWS; j++) {
+            const uint8_t* row = codes + j * k + BLOCK * b;
+            const auto nibbles = [&](int64_t i) { return (word(row + i) & LOW_NIBBLES) | ((word(row + i + 4) & LOW_NIBBLES) << 4); };
+            if constexpr (bits == 4 || bits == 5) {
+                uint8_t* block = out + (bits == 4 ? 128 : 160) * b;
+                uint32_t fifth = 0;
+                for (int64_t c = 0; c < 4; c++) {
+                    put_word(block + 32 * c + 4 * j, nibbles(8 * c));
+                    fifth |= ((word(row + 8 * c) >> 4) & LOW_BIT) << (2 * c) | ((word(row + 8 * c + 4) >> 4) & LOW_BIT) << (2 * c + 1);
+                }
+                if constexpr (bits == 5) put_word(block + 128 + 4 * j, fifth);
+            } else {
+                for (int64_t h = 0; h < 2; h++) {
+                    uint8_t* run = out + 192 * b + 96 * h;
+                    uint32_t high = 0;
+                    for (int64_t r = 0; r < 2; r++) {
+                        const int64_t first = 8 * (2 * h + r);
+                        put_word(run + 32 * r + 4 * j, nibbles(first));
+                        high |= ((word(row + first) >> 4) & LOW_TWO_BITS) << (4 * r) | ((word(row + first + 4) >> 4) & LOW_TWO_BITS) << (4 * r + 2);
                     }
-                    if constexpr (bits == 5) block[128 + 4 * j + u] = fifth;
-                } else {
-                    for (int64_t h = 0; h < 2; h++) {
-                        uint8_t* run = out + 192 * b + 96 * h;
-                        uint8_t high = 0;
-                        for (int64_t r = 0; r < 2; r++) {
-                            const int64_t first = i + 8 * (2 * h + r);
-                            run[32 * r + 4 * j + u] = nibbles(j, first);
-                            high |= ((code(j, first) >> 4) & 3) << (4 * r) | ((code(j, first + 4) >> 4) & 3) << (4 * r + 2);
-                        }
-                        run[64 + 4 * j + u] = high;
-                    }
+                    put_word(run + 64 + 4 * j, high);
                 }
             }
+        }
 }
 
 void gguf_blocks_op(const at::Tensor& blocks, int64_t kind, at::TensorList outputs) {
@@ -178,15 +189,18 @@ void gguf_blocks_op(const at::Tensor& blocks, int64_t kind, at::TensorList outpu
         std::vector<uint8_t> codes(ROWS * k);
         std::vector<std::vector<uint8_t>> factors;  // the set's rows, one after another
         for (const Factor& f : form.factors) factors.emplace_back(ROWS * k / f.inputs * f.size);
-        std::vector<uint8_t*> at(form.factors.size());
+        std::vector<uint8_t*> at(form.factors.size());  // each factor's place for the block
+        std::vector<int64_t> step;  // and its bytes a block
+        for (const Factor& f : form.factors) step.push_back(form.block_inputs / f.inputs * f.size);
         for (int64_t s = first; s < last; s++) {
-            for (int64_t j = 0; j < ROWS; j++)
+            for (int64_t j = 0; j < ROWS; j++) {  // the set's rows, one after another
+                for (size_t f = 0; f < at.size(); f++) at[f] = factors[f].data() + j * k / form.factors[f].inputs * form.factors[f].size;
                 for (int64_t b = 0; b < row_blocks; b++) {
-                    const int64_t input = j * k + b * form.block_inputs;  // of the set's rows, one after another
-                    for (size_t f = 0; f < at.size(); f++)
-                        at[f] = factors[f].data() + input / form.factors[f].inputs * form.factors[f].size;
-                    decode_block(kind, in + (ROWS * s + j) * blocks.size(1) + b * form.block_bytes, codes.data() + input, at.data());
+                    decode_block(kind, in + (ROWS * s + j) * blocks.size(1) + b * form.block_bytes,
+                                 codes.data() + j * k + b * form.block_inputs, at.data());
+                    for (size_t f = 0; f < at.size(); f++) at[f] += step[f];
                 }
+            }
             uint8_t* packed = static_cast<uint8_t*>(outputs[0].data_ptr()) + s * code_bytes;
             switch (form.bits) {
                 case 8: pack_set<8>(codes.data(), k, packed); break;
@@ -198,8 +212,14 @@ void gguf_blocks_op(const at::Tensor& blocks, int64_t kind, at::TensorList outpu
                 const int64_t groups = k / form.factors[f].inputs, size = form.factors[f].size;
                 uint8_t* out = static_cast<uint8_t*>(outputs[f + 1].data_ptr()) + s * groups * size * ROWS;
                 for (int64_t j = 0; j < ROWS; j++)
-                    for (int64_t g = 0; g < groups; g++)
-                        std::memcpy(out + (g * ROWS + j) * size, factors[f].data() + (j * groups + g) * size, size);
+                    for (int64_t g = 0; g < groups; g++) {  // a byte or a float16: copies of a known size, inlined
+                        uint8_t* to = out + (g * ROWS + j) * size;
+                        const uint8_t* from = factors[f].data() + (j * groups + g) * size;
+                        if (size == 1)
+                            *to = *from;
+                        else
+                            std::memcpy(to, from, 2);
+                    }
             }
         }
     });
