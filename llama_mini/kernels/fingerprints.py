@@ -19,6 +19,7 @@ import functools
 import hashlib
 import importlib
 import inspect
+import linecache
 import logging
 import textwrap
 from typing import Optional
@@ -98,8 +99,7 @@ def fingerprint(function) -> Optional[str]:
     """A hash of function's code: its source less the docstring, comments and blank lines; None
     where its source cannot be read (a builtin, code made at run time)."""
     try:
-        source = textwrap.dedent(inspect.getsource(function))
-        tree = ast.parse(source)
+        source, tree = _parsed(function)
     except (OSError, TypeError, SyntaxError):
         return None
     lines = source.splitlines()
@@ -113,6 +113,42 @@ def fingerprint(function) -> Optional[str]:
         if line.strip():
             kept.append(line)
     return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
+
+
+def _parsed(function):
+    """function's source, dedented, and its syntax tree. The source is its def's lines and those
+    indented under it: inspect.getsource finds the same lines by tokenizing the whole file in
+    Python, most of a small model's load time, and is asked only where that cut splits a string
+    or brackets at a lesser indent (it does not parse) or finds no def (a lambda)."""
+    if block := _def_block(function):
+        try:
+            return block, ast.parse(block)
+        except SyntaxError:
+            pass
+    source = textwrap.dedent(inspect.getsource(function))
+    return source, ast.parse(source)
+
+
+def _def_block(function) -> str:
+    """The lines of function's def, from its first decorator, dedented ("" where not a def in a file)."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    lines = linecache.getlines(code.co_filename) if code else []
+    first = code.co_firstlineno - 1 if code else 0
+    if first >= len(lines) or not lines[first].lstrip().startswith(("def ", "async def ", "@")):
+        return ""
+    indent = len(lines[first]) - len(lines[first].lstrip())
+    heading = lines[first].lstrip().startswith("@")  # decorators, then the def, at the def's indent
+    end = first + 1
+    for line in lines[first + 1:]:
+        text = line.strip()
+        if text and not text.startswith("#") and len(line) - len(line.lstrip()) <= indent:
+            if not heading:
+                break
+            heading = text.startswith("@")
+        end += 1
+    while not lines[end - 1].strip() or lines[end - 1].strip().startswith("#"):
+        end -= 1
+    return textwrap.dedent("".join(lines[first:end]))
 
 
 def _string_spans(tree) -> dict:

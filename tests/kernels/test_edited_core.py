@@ -8,6 +8,7 @@ check can fail); and one line names the function and the layer left off. The une
 stays on the kernels: the record matches the code.
 """
 
+import functools
 import json
 import logging
 
@@ -371,6 +372,32 @@ class Rehashed2:
     def f(x):
         return x + f"#{1}" + """
         # not a comment!""" + "é#"
+
+
+class Shapes:
+    @staticmethod
+    @functools.lru_cache
+    def decorated(x):
+        return x + 1
+
+    def split_signature(
+        x,
+    ):
+        return x + 1  # the closing bracket at the def's indent: that cut does not parse
+# a comment at column 0, then the next def
+
+    def nested(x):
+        def inner(y):
+            return y + 1
+        return inner
+
+
+@pytest.mark.parametrize("function", [Shapes.decorated, Shapes.split_signature, Shapes.nested,
+                                      Shapes.nested(0), Documented.f, Hashed.f, core.FeedForward.gate])
+def test_a_fingerprint_reads_the_lines_inspect_reads(function, monkeypatch):
+    read = fingerprints.fingerprint(function)
+    monkeypatch.setattr(fingerprints, "_def_block", lambda function: "")  # inspect.getsource's lines, always
+    assert read is not None and read == fingerprints.fingerprint(function)
 
 
 def test_a_fingerprint_reads_the_code_not_its_docstring_or_comments():
