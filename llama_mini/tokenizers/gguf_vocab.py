@@ -64,7 +64,7 @@ class Vocabulary:
         if not isinstance(self.tokens, list) or not self.tokens:
             raise self.refuse(f"{Keys.Tokenizer.LIST} is not a list of strings")
         types = self.array(fields, Keys.Tokenizer.TOKEN_TYPE)
-        self.types = [TokenType.NORMAL] * len(self.tokens) if types is None else types.tolist()
+        self.types = np.full(len(self.tokens), TokenType.NORMAL) if types is None else types
         self.scores = self.array(fields, Keys.Tokenizer.SCORES)  # a numpy array: not a float object per token
         self.merges = fields.get(Keys.Tokenizer.MERGES, [])
         self.ids = {key: self.token_id(fields, key) for key in (Keys.Tokenizer.BOS_ID, *STOP_KEYS, Keys.Tokenizer.PAD_ID)}
@@ -91,7 +91,7 @@ class Vocabulary:
         return value
 
     def of_type(self, *types) -> set[int]:
-        return {i for i, t in enumerate(self.types) if t in types}
+        return set(np.flatnonzero(np.isin(self.types, types)).tolist())
 
 
 class GgufSentencePiece(ScoreBpeTokenizer):
