@@ -38,6 +38,7 @@ from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
 from ..quant import layer_method
 from ..quant.held import layer_record
 from ..quant.layers import QuantizedEmbedding
+from ..quant.mapped_q8_0 import MappedQ8_0Linear
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
@@ -250,7 +251,8 @@ def load_gguf_blocks(path: Path, converter=None):
             layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape, converter)
         except ValueError as e:  # a block no layer holds exactly
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
-        file.release(theirs)
+        if not isinstance(layer, MappedQ8_0Linear):  # a copy of its own: the file's pages are not read again
+            file.release(theirs)
         return_freed_memory()
         kinds.setdefault(info.type.name, layer_method(layer))
         layers[ours.removesuffix(".weight")] = layer_record(layer)

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 from ..quant.k_quants import Int5Linear, Int6Linear
 from ..quant.layers import Int4Linear, Int8Linear
+from ..quant.mapped_q8_0 import MappedQ8_0Linear
 from ..support.memory import release_file_pages
 from .operators import FLOATS, PANEL, operators, to_panels
 
@@ -151,16 +152,30 @@ class KernelInt6Linear(IntegerKernel, Int6Linear):
         return ops.linear_int6(x, self.weight, self.scales, self.super_scales)
 
 
+class KernelMappedQ8_0Linear(IntegerKernel, MappedQ8_0Linear):
+    """MappedQ8_0Linear on the Q8_0 kernel, which reads the file's rows where they are mapped."""
+
+    layer = "Q8_0 kernel"
+    computes = DEFINITION + tuple(f"quant.layers:Int8Linear.{name}" for name in ("forward", "dequantize")) + \
+        ("quant.mapped_q8_0:q8_0_codes_and_scales", "quant.mapped_q8_0:MappedQ8_0Linear.codes",
+         "quant.mapped_q8_0:MappedQ8_0Linear.block_scales")
+
+    def kernel(self, ops, x):
+        return ops.linear_q8_0(x, self.blocks)
+
+
 # The kernel class each linear layer's class becomes under use_cpu_kernels.
 LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear,
-                  Int5Linear: KernelInt5Linear, Int6Linear: KernelInt6Linear}
+                  Int5Linear: KernelInt5Linear, Int6Linear: KernelInt6Linear, MappedQ8_0Linear: KernelMappedQ8_0Linear}
 
 
 def kernel_operands(linear):
     """(weight, scales, offsets, super_scales, super_offsets) of a linear layer as the kernels read
-    them (None for those it has not), or None where they do not take it: other shapes, biases,
+    them (None for those it has not; a file's Q8_0 rows are a uint8 weight alone), or None where they do not take it: other shapes, biases,
     dtypes, or tensors not laid out in one piece."""
-    if isinstance(linear, Int8Linear):
+    if isinstance(linear, MappedQ8_0Linear):
+        operands = (linear.blocks, None, None, None, None)
+    elif isinstance(linear, Int8Linear):
         operands = (linear.weight, linear.scales, None, None, None) if linear.rows_of_8 else None
     elif isinstance(linear, Int4Linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)

@@ -80,6 +80,13 @@ def to_panels(weight: torch.Tensor) -> torch.Tensor:
     return weight.unflatten(0, (-1, PANEL)).transpose(1, 2).contiguous()
 
 
+def q8_0_rows(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 codes (n, k) and float16 scales (n, k / 32) -> the rows of a GGUF file's Q8_0 blocks,
+    uint8 (n, k / 32 * 34): each block's scale, then its 32 codes."""
+    n, blocks = scales.shape
+    return torch.cat((scales.view(torch.uint8).view(n, blocks, 2), codes.view(torch.uint8).view(n, blocks, 32)), -1).view(n, -1)
+
+
 def _self_check(ops) -> None:
     """Refuse kernels that compiled but compute something else: each linear operator, every
     dtype pair, shapes with tails (rows, tiles and inputs not a multiple of the blocks), against
@@ -120,6 +127,9 @@ def _self_check(ops) -> None:
             scales5, offsets5 = supers5.double().repeat_interleave(8, dim=-1) * factors5.double()
             int5 = (codes5.double().unflatten(-1, (16, 32)) * scales5[..., None] + offsets5[..., None]).flatten(-2)
             int5_operands = (pack_int5(codes5), *map(interleave_rows, (*factors5, *supers5)))
+            codes8, halves8 = torch.randint(-128, 128, (24, 512), generator=g, dtype=torch.int8), (torch.rand(24, 16, generator=g) + 0.5).half()
+            q8_0 = q8_0_rows(codes8, halves8)
+            int8_of_q8_0 = codes8.double() * halves8.double().repeat_interleave(32, dim=1)
             checks += [
                 (ops.linear_int8(x, pack_int8(codes), interleave_rows(scales)), xq @ int8.t()),
                 (ops.linear_int8(x, pack_int8(codes), interleave_rows(halves)),
@@ -132,6 +142,8 @@ def _self_check(ops) -> None:
                 (ops.linear_int6(x6[:3], *int6_operands), quantized_activations(x6[:3]).double() @ int6.t()),
                 (ops.linear_int5(x6, *int5_operands), quantized_activations(x6).double() @ int5.t()),
                 (ops.linear_int5(x6[:3], *int5_operands), quantized_activations(x6[:3]).double() @ int5.t()),
+                (ops.linear_q8_0(x6, q8_0), quantized_activations(x6).double() @ int8_of_q8_0.t()),
+                (ops.linear_q8_0(x6[:3], q8_0), quantized_activations(x6[:3]).double() @ int8_of_q8_0.t()),
             ]
         for got, expected in checks:
             if got.dtype != dtype or not torch.allclose(got.double(), expected, rtol=1e-5 if dtype == torch.float32 else 1e-2, atol=1e-3):

@@ -23,6 +23,7 @@ from ..support.memory import return_freed_memory
 from .held import empty_held_model, is_layer_record
 from .k_quants import Int5Linear, Int6Linear
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedEmbedding
+from .mapped_q8_0 import MappedQ8_0Linear
 
 QUANTIZATIONS = ("int8", "int4")
 INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Int6Linear)
@@ -97,7 +98,7 @@ def hold_plain_rows(model: nn.Module) -> nn.Module:
     torch.compile's loops read fastest (layers.py); returns model. Its state_dict keeps the stored
     layout, but a factored int4 layer's (a GGUF file's Q4_K) then holds its scales multiplied out."""
     for layer in model.modules():
-        if type(layer) in (Int8Linear, Int4Linear):
+        if type(layer) in (Int8Linear, Int4Linear, MappedQ8_0Linear):
             layer.hold_plain_rows()
     return model
 

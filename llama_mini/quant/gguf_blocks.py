@@ -4,7 +4,8 @@ file's matrix runs at the file's own precision, never held as a float matrix.
 Where a GGUF type's blocks are one of the layers' forms, its codes and scales are carried over
 as they are, and the layer's dequantized weights equal the file's (as gguf.quants, llama.cpp's
 own code, dequantizes them), value for value:
-- Q8_0 -> int8: blocks of 32, w = d q. Q5_0 -> int8 too: w = d (q - 16), codes q - 16.
+- Q8_0 -> int8: blocks of 32, w = d q; on the CPU kernels, the file's own rows (mapped_q8_0.py).
+  Q5_0 -> int8 too: w = d (q - 16), codes q - 16.
 - Q4_0 -> symmetric int4, groups of 32: w = d (q - 8), the offset -8 d held by none.
 - Q4_1 -> int4: w = q d + m.
 - Q4_K -> int4 with factored scales and offsets: each sub-block of 32 has w = q (d sc) - dmin m,
@@ -33,6 +34,7 @@ from gguf import GGMLQuantizationType as T
 from .k_quants import Int5Linear, Int6Linear
 from .layers import Int4Linear, Int8Linear, quantize_int8, row_chunks
 from .layout import ROW_SET, as_words
+from .mapped_q8_0 import MappedQ8_0Linear, q8_0_codes_and_scales
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
@@ -45,8 +47,12 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape, converter=None) -> tor
     """The integer layer of a GGUF matrix (out, in) of type kind, from its blocks: uint8
     (out, bytes per row), a view of the mapped file. Rows are converted a chunk at a time, by
     the functions here or by converter (kind, blocks, layer) -> whether it filled the layer:
-    the CPU kernels' (kernels/gguf_blocks.py), the same bytes faster."""
+    the CPU kernels' (kernels/gguf_blocks.py), the same bytes faster. Where the kernels convert,
+    a Q8_0 matrix in sets of eight rows is not converted at all: they read its rows where the file
+    maps them (MappedQ8_0Linear)."""
     out_features, in_features = shape
+    if kind == T.Q8_0 and converter is not None and out_features % ROW_SET == 0:
+        return MappedQ8_0Linear(torch.from_numpy(blocks), in_features)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         if kind == T.Q4_K:
             layer = Int4Linear(in_features, out_features, 32, torch.float16, super_group_size=256)
@@ -98,11 +104,6 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Bytes (..., n), n % 4 == 0 -> codes (..., 2, n): the low nibbles, then the high ones."""
     words = as_words(qs)
     return torch.stack((words & 0x0F0F0F0F, (words >> 4) & 0x0F0F0F0F), dim=-2).view(torch.uint8)
-
-
-def _q8_0(rows, k):
-    b = _blocks(rows, T.Q8_0)
-    return b[..., 2:].contiguous().view(torch.int8).reshape(len(rows), k), _half(b[..., :2])
 
 
 def _q5_0(rows, k):
@@ -183,5 +184,5 @@ def _requantized(kind: T):
     return convert
 
 
-_INT8 = {T.Q8_0: _q8_0, T.Q5_0: _q5_0}
+_INT8 = {T.Q8_0: q8_0_codes_and_scales, T.Q5_0: _q5_0}
 _INT4 = {T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k}

@@ -16,6 +16,7 @@ from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
 from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
 from llama_mini.quant.k_quants import Int5Linear, Int6Linear
 from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
+from llama_mini.quant.mapped_q8_0 import MappedQ8_0Linear
 
 EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
          T.Q5_K: Int5Linear, T.Q6_K: Int6Linear}
@@ -142,11 +143,12 @@ def same_bytes(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 @pytest.mark.parametrize("kind", list(EXACT), ids=lambda kind: kind.name)
 def test_the_kernels_convert_each_type_to_the_bytes_torchs_converters_make(kind, shape):
     """The kernels' converter (kernels/gguf_blocks.py) is the torch converters here, faster: the
-    same layer bit for bit, from a quantizer's blocks and from blocks of random bytes."""
+    same layer bit for bit, from a quantizer's blocks and from blocks of random bytes. A Q8_0
+    matrix the kernels read where the file maps it: the same int8 layer's state."""
     converter = kernels_converter()
     for blocks in (blocks_of(kind, shape), random_blocks(kind, shape)):
         expected, got = layer_from_blocks(kind, blocks, shape), layer_from_blocks(kind, blocks, shape, converter)
-        assert type(got) is EXACT[kind] and same_bytes(got, expected)
+        assert type(got) is (MappedQ8_0Linear if kind == T.Q8_0 else EXACT[kind]) and same_bytes(got, expected)
     got = layer_from_blocks(kind, blocks_of(kind, shape), shape, converter)
     assert torch.equal(got.dequantize(torch.float32), files_weights(kind, blocks_of(kind, shape), shape))
 
@@ -255,7 +257,8 @@ def test_generate_converts_a_files_blocks_by_the_kernels_where_they_run_to_the_s
     flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
     model, expected = load_model(flags, path, "gguf", tokenizer), load_checkpoint(path)
-    assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16} if kernels == "auto" else set())
+    # Q8_0's rows are read where the file maps them, converted by none
+    assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16, T.Q8_0} if kernels == "auto" else set())
     if kernels == "off":
         hold_plain_rows(expected)  # as load_model holds layers off the kernels
     assert same_bytes(model, expected)
@@ -545,3 +548,107 @@ def test_a_gguf_files_kv_cache_is_float16_as_llama_cpps_unless_kv_cache_names_an
     native = load_model(flags, tmp_path / "native", "native", tokenizer, kv_cache=flag)
     assert native.kv_dtype() == (torch.float32 if flag is None else held)
     assert ("KV cache" in capsys.readouterr().err) == (flag is not None)
+
+
+# --- Q8_0 read where the file maps it ----------------------------------------------------------
+
+
+def q8_0_blocks(shape, seed=2) -> np.ndarray:
+    """Q8_0 rows of random bytes (every code, -128 too) with small positive float16 scales."""
+    data = random_blocks(T.Q8_0, shape, seed).reshape(shape[0], -1, 34)
+    data[..., :2] = np.random.default_rng(seed).uniform(1e-3, 1e-2, data.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
+    return data.reshape(shape[0], -1)
+
+
+def test_on_the_kernels_a_q8_0_file_runs_from_its_mapped_bytes(tmp_path):
+    """generate.py's load (load_model) on the kernels: each Q8_0 matrix, the tied embedding and
+    head too, is the file's own bytes where it is mapped (none written to memory of the
+    process's own), and the layers compute what the int8 layers of --kernels off do."""
+    import argparse
+
+    from llama_mini.inference.loading import load_model
+    from llama_mini.kernels.linear import KernelMappedQ8_0Linear
+    from llama_mini.support.memory import _in_a_file_mapping
+
+    kernels_converter()
+    args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
+    path, tensors = write_file(tmp_path / "tied-Q8_0.gguf", {name: T.Q8_0 for name in TYPES if name != "output.weight"}, args)
+    tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
+    models = {kernels: load_model(argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False),
+                                  path, "gguf", tokenizer) for kernels in ("auto", "off")}
+    mapped = models["auto"]
+    assert on_kernels(mapped) and mapped.output is mapped.tok_embeddings.table
+    for name, (stored, kind) in tensors.items():
+        if kind != T.Q8_0:
+            continue
+        layer = mapped.get_submodule(from_format(name, "gguf").removesuffix(".weight"))
+        layer = layer.table if isinstance(layer, QuantizedEmbedding) else layer
+        assert type(layer) is KernelMappedQ8_0Linear and torch.equal(layer.blocks, torch.from_numpy(stored)), name
+        assert _in_a_file_mapping(layer.blocks.data_ptr(), layer.blocks.data_ptr() + layer.blocks.numel()), name
+    assert same_bytes(mapped, models["off"])
+    with torch.inference_mode():
+        mapped.setup_cache(1, 32), models["off"].setup_cache(1, 32)
+        ours, theirs = mapped(PROMPT), models["off"](PROMPT)
+    assert ((ours - theirs).pow(2).mean() / theirs.var()).sqrt() < 1e-3
+
+
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])
+def test_the_q8_0_kernel_gives_the_int8_kernels_bits_from_the_files_rows(rows):
+    """The rows read in place (a decoding step's few) or widened into int8's layout (a prompt's
+    many) give the int8 kernel's outputs on the same codes and scales, bit for bit, in each
+    dtype; both are the layers' definition's to float tolerance."""
+    from llama_mini.kernels.operators import FLOATS, operators
+    from llama_mini.quant.layers import quantized_linear
+
+    converter = kernels_converter()
+    shape = (48, 1024)
+    blocks = q8_0_blocks(shape)
+    mapped, int8 = layer_from_blocks(T.Q8_0, blocks, shape, converter), layer_from_blocks(T.Q8_0, blocks, shape)
+    assert type(mapped) is MappedQ8_0Linear and int(mapped.codes().min()) == -128
+    generator = torch.Generator().manual_seed(rows)
+    for dtype in FLOATS:
+        x = torch.randn(rows, shape[1], generator=generator).to(dtype)
+        got = operators().linear_q8_0(x, mapped.blocks)
+        assert got.dtype == dtype and torch.equal(got, operators().linear_int8(x, int8.weight, int8.scales))
+        torch.testing.assert_close(got.float(), quantized_linear(mapped, x.float()), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-4)
+
+
+def test_a_mapped_q8_0_layer_copied_into_plain_rows_is_the_int8_layer_of_its_blocks():
+    """Off the kernels (torch.compile's loops) the layer holds Int8Linear's plain rows, copied out
+    of the file: the same weights, looked-up rows and state."""
+    shape = (48, 512)
+    blocks = q8_0_blocks(shape)
+    layer = MappedQ8_0Linear(torch.from_numpy(blocks), shape[1])
+    state, weights, ids = layer.state_dict(), files_weights(T.Q8_0, blocks, shape), torch.tensor([47, 0, 9, 9, 30])
+    assert torch.equal(layer.dequantize(torch.float32), weights) and torch.equal(layer.rows(ids, torch.float32), weights[ids])
+    layer.hold_plain_rows()
+    assert type(layer) is Int8Linear and not layer.rows_of_8 and layer.weight.shape == shape
+    assert torch.equal(layer.dequantize(torch.float32), weights) and torch.equal(layer.rows(ids, torch.float32), weights[ids])
+    assert state.keys() == layer.state_dict().keys() and all(torch.equal(state[k], layer.state_dict()[k]) for k in state)
+
+
+def test_an_edited_q8_0_layer_runs_as_edited_with_its_kernel_left_off(monkeypatch, caplog):
+    """The Q8_0 kernel is written for mapped_q8_0.py's reading of the blocks: a reader who edits it
+    (here every code zero) gets the edited layer, and one line naming it."""
+    import logging
+
+    from llama_mini.kernels import fingerprints
+    from llama_mini.kernels.linear import LINEAR_KERNELS
+    from llama_mini.kernels.operators import swap_classes
+
+    converter = kernels_converter()
+    shape = (48, 512)
+    blocks = q8_0_blocks(shape)
+    model = torch.nn.Sequential(layer_from_blocks(T.Q8_0, blocks, shape, converter))
+    x = torch.randn(2, shape[1])
+    assert model[0](x).abs().amax() > 0
+    codes = MappedQ8_0Linear.codes
+    monkeypatch.setattr(MappedQ8_0Linear, "codes", lambda self: torch.zeros_like(codes(self)))
+    fingerprints.notice_changed.cache_clear()
+    caplog.set_level(logging.WARNING, logger="llama_mini")
+    swap_classes(model, LINEAR_KERNELS)
+    assert type(model[0]) is MappedQ8_0Linear
+    assert torch.equal(model[0](x), torch.zeros(2, shape[0]))
+    assert any("MappedQ8_0Linear.codes in llama_mini/quant/mapped_q8_0.py" in r.getMessage() for r in caplog.records)
+    fingerprints.notice_changed.cache_clear()

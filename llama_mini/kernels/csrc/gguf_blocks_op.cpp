@@ -7,7 +7,7 @@
 // thread: a file loads in a fraction of the time.
 //
 // blocks: the matrix's blocks as the file holds them, uint8 (rows, bytes per row), rows a
-// multiple of eight. kind: the GGML type (Q8_0 8, Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12, Q5_K 13,
+// multiple of eight. kind: the GGML type (Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12, Q5_K 13,
 // Q6_K 14). outputs: the layer's buffers in its order (weight first), in quant/layout.py's
 // sets of eight rows. What each type's codes and factors are is quant/gguf_blocks.py's.
 
@@ -37,7 +37,6 @@ struct Kind {
 
 Kind kind_of(int64_t kind) {
     switch (kind) {
-        case 8: return {32, 34, 8, {{32, 2}}};                                  // Q8_0: d, codes
         case 6: return {32, 22, 8, {{32, 2}}};                                  // Q5_0: d, codes - 16
         case 2: return {32, 18, 4, {{32, 2}}};                                  // Q4_0: d
         case 3: return {32, 20, 4, {{32, 2}, {32, 2}}};                         // Q4_1: d, m
@@ -75,9 +74,6 @@ void scales_and_mins(const uint8_t* q, uint8_t* sc, uint8_t* m) {
 // the block's first group's index times the factor's size.
 void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const* factor) {
     switch (kind) {
-        case 8:
-            std::memcpy(factor[0], b, 2), std::memcpy(codes, b + 2, 32);
-            return;
         case 6: {
             uint32_t high;
             std::memcpy(factor[0], b, 2), std::memcpy(&high, b + 2, 4);

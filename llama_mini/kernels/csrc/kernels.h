@@ -74,6 +74,12 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
                             const int8_t* scales, const void* super_scales, int super_type, void* y, int64_t rows,
                             int64_t n, int64_t k, int y_type, int threads);
 
+// W as a GGUF file holds Q8_0 (llama.cpp): row i is k / 32 blocks of 34 bytes, a float16 scale d
+// and 32 int8 codes q, W[i, j] = d q, read where the file maps them. n % 8 == 0. The same
+// integer sums and float32 steps as linear_int8 on those codes and scales, so the same bits.
+extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* blocks, void* y,
+                            int64_t rows, int64_t n, int64_t k, int y_type, int threads);
+
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored
 // with v into the caches (batch, kv_heads, positions, head_dim), contiguous within a head,

@@ -1,5 +1,5 @@
 // Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
-// float16 weights, int8, int4, int5 and int6 weights.
+// float16 weights, int8, int4, int5 and int6 weights, and a GGUF file's Q8_0 blocks where it maps them.
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -916,6 +916,110 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
     });
 }
 
+// --- Q8_0 blocks where a GGUF file maps them -----------------------------------------------------
+//
+// Loading would otherwise write the whole matrix once more into memory the process has never
+// touched, which takes longer than mapping the file. Row i is the file's: k / 32 blocks of 34
+// bytes, a float16 scale and 32 int8 codes. A decoding step reads a set of eight rows in place:
+// each row's block meets the activations' 32 codes in one product, the eight rows' sums are
+// gathered into the eight lanes int8's set would hold, and the block's scales follow as
+// int8_block adds them. The same exact sums and float32 steps as linear_int8 on the same codes
+// and scales, so the same bits; a prompt widens its sets into int8's layout and runs int8's tiles.
+
+constexpr int64_t Q8_0_BYTES = 34;  // a block: its float16 scale, then 32 codes
+
+// A row's block of 32 codes times the activations' 32 (x): eight int32 sums of four products,
+// as int8's runs are multiplied (int8_dot): with VNNI, q + 128 (unsigned) times x, which adds
+// 128 times the activations' sum (Q8_0_START takes it away); without, |q| times x with q's sign.
+// Exact either way.
+#ifdef SIMD_WIDE
+inline __m256i q8_0_products(const uint8_t* codes, __m256i x) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))), x);
+}
+constexpr int32_t Q8_0_START = -128;
+#else
+inline __m256i q8_0_products(const uint8_t* codes, __m256i x) {
+    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+}
+constexpr int32_t Q8_0_START = 0;
+#endif
+
+// Lane j: the sum of v[j]'s eight lanes.
+inline __m256i lane_sums(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The float16 scales of block b of the eight rows from `set`, `row_bytes` apart, as float32.
+inline __m256 q8_0_scales(const uint8_t* set, int64_t row_bytes, int64_t b) {
+    alignas(16) uint16_t half[8];
+    for (int j = 0; j < 8; j++) std::memcpy(half + j, set + j * row_bytes + b * Q8_0_BYTES, 2);
+    return _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(half)));
+}
+
+// Outputs (m0 .. m0 + R - 1) of set p, read in place; the next set's bytes (`next`, or null) are
+// fetched a block's share at a time, in file order, into the second-level cache.
+template <int R, typename Y>
+void q8_0_tile(const Activations& a, const uint8_t* w, Y* y, int64_t n, int64_t k, int64_t m0, int64_t p, bool fetch_next) {
+    const int64_t blocks = k / BLOCK, row_bytes = blocks * Q8_0_BYTES;
+    const uint8_t* set = w + p * 8 * row_bytes;
+    const int64_t share = (8 * row_bytes / blocks + 63) / 64 * 64;
+    __m256 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        if (fetch_next)
+            for (int64_t line = 0; line < share; line += 64) _mm_prefetch(reinterpret_cast<const char*>(set + 8 * row_bytes + b * share + line), _MM_HINT_T1);
+        const __m256 scales = q8_0_scales(set, row_bytes, b);
+        for (int r = 0; r < R; r++) {
+            const int64_t ab = (m0 + r) * blocks + b;
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + ab * BLOCK));
+            __m256i v[8];
+            for (int j = 0; j < 8; j++) v[j] = q8_0_products(set + j * row_bytes + b * Q8_0_BYTES + 2, x);
+            const __m256i sums = _mm256_add_epi32(lane_sums(v), _mm256_set1_epi32(Q8_0_START * a.sums[ab]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scales, _mm256_set1_ps(a.scales[ab])), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) store8(y + (m0 + r) * n + 8 * p, acc[r]);
+}
+
+// Sets [from, from + count) of Q8_0 rows widened into int8's layout (kernels.h) and float32 scales
+// (sets, k / 32, 8): each row's four codes of run c to bytes 4j .. 4j + 3 of the run.
+void widen_q8_0(const uint8_t* w, int64_t from, int64_t count, int64_t k, uint8_t* codes, float* scales) {
+    const int64_t blocks = k / BLOCK, row_bytes = blocks * Q8_0_BYTES;
+    for (int64_t p = 0; p < count; p++) {
+        const uint8_t* set = w + (from + p) * 8 * row_bytes;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t* to = codes + (p * blocks + b) * 256;
+            for (int j = 0; j < 8; j++)
+                for (int c = 0; c < 8; c++) std::memcpy(to + 32 * c + 4 * j, set + j * row_bytes + b * Q8_0_BYTES + 2 + 4 * c, 4);
+            _mm256_storeu_ps(scales + (p * blocks + b) * 8, q8_0_scales(set, row_bytes, b));
+        }
+    }
+}
+
+extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* blocks, void* y,
+                            int64_t rows, int64_t n, int64_t k, int y_type, int threads) {
+    const Activations a{xq, xd, xsum};
+    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
+        Y* out = static_cast<Y*>(y);
+        if (rows < FACTORED_ROWS) {  // a decoding step: each thread reads its band of sets in file order
+            for_row_bands(n / 8, threads, [&](int64_t begin, int64_t end) {
+                for (int64_t p = begin; p < end; p++)
+                    by_row_tiles<INT_MR>(0, rows, [&]<int R>(int64_t m) { q8_0_tile<R>(a, blocks, out, n, k, m, p, m == 0 && p + 1 < end); });
+            }, 1);
+            return;
+        }
+        widened<tile_rows<Int8Format>()>(out, rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+            widen_q8_0(blocks, from, sets, k, wide, floats);
+        }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
+            integer_tile<R, NZ>(a, Int8Format{floats, F32, k / BLOCK}, wide, y_sets, n, k, m, pairs, false);
+        });
+    });
+}
+
 #else  // no AVX2: nothing here runs; the Python side keeps the layers' own code.
 
 extern "C" int vector_kernels_available() { return 0; }
@@ -930,5 +1034,7 @@ extern "C" void linear_int5(const int8_t*, const float*, const int32_t*, const u
                             const void*, const void*, int, void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const void*, int,
                             void*, int64_t, int64_t, int64_t, int, int) {}
+extern "C" void linear_q8_0(const int8_t*, const float*, const int32_t*, const uint8_t*, void*, int64_t, int64_t, int64_t, int,
+                            int) {}
 
 #endif

@@ -1,4 +1,4 @@
-// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5 and linear_int6 over the kernels of
+// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5, linear_int6 and linear_q8_0 over the kernels of
 // linear.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
 // tells the Python side whether this build has the vector kernels at all. Inference only (no
 // autograd): the Python side calls them without gradients and runs the layers' own code otherwise.
@@ -188,6 +188,17 @@ at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return call.y;
 }
 
+at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks) {
+    TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(0) % 8 == 0 &&
+                    blocks.size(1) % 34 == 0,
+                "llama_mini::linear_q8_0: a GGUF file's Q8_0 rows, contiguous uint8 (rows, inputs / 32 * 34), rows a multiple of 8");
+    const int64_t n = blocks.size(0), k = blocks.size(1) / 34 * 32;
+    const IntegerCall call = integer_call(x, n, k);
+    ::linear_q8_0(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), blocks.const_data_ptr<uint8_t>(),
+                  call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"), threads_for(call.rows, n, k));
+    return call.y;
+}
+
 bool available() { return vector_kernels_available() != 0; }
 
 }  // namespace llama_mini
@@ -200,6 +211,7 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
           "Tensor? super_offsets=None) -> Tensor");
     m.def("linear_int5(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor super_scales, Tensor super_offsets) -> Tensor");
     m.def("linear_int6(Tensor x, Tensor codes, Tensor scales, Tensor super_scales) -> Tensor");
+    m.def("linear_q8_0(Tensor x, Tensor blocks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);
@@ -207,4 +219,5 @@ TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_int4", llama_mini::int4_op);
     m.impl("linear_int5", llama_mini::int5_op);
     m.impl("linear_int6", llama_mini::int6_op);
+    m.impl("linear_q8_0", llama_mini::q8_0_op);
 }
