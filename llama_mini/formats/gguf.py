@@ -251,7 +251,9 @@ def load_gguf_blocks(path: Path, converter=None):
             layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape, converter)
         except ValueError as e:  # a block no layer holds exactly
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
-        if not isinstance(layer, MappedQ8_0Linear):  # a copy of its own: the file's pages are not read again
+        if isinstance(layer, MappedQ8_0Linear):  # the file's pages are the layer's
+            file.map_pages(theirs)
+        else:  # a copy of its own: the file's pages are not read again
             file.release(theirs)
         return_freed_memory()
         kinds.setdefault(info.type.name, layer_method(layer))

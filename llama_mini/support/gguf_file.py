@@ -43,6 +43,7 @@ _SCALARS = {
 _LENGTH = struct.Struct("<Q")  # a string's length
 _CHUNK_ELEMENTS = 1 << 20  # the rows dequantized at once: a few MB of float32 beside the result
 _STEPPED_OVER = object()  # an array of strings left out (string_arrays=False)
+MADV_POPULATE_READ = 22  # Linux's number (Python's mmap names it from 3.13 on)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,17 @@ class GGUFFile:
         info = self.tensors[name]
         rows = info.numel // info.shape[-1] if info.numel else 0
         return np.frombuffer(self.map, np.uint8, info.nbytes, info.start).reshape(rows, -1)
+
+    def map_pages(self, name: str) -> None:
+        """Map a tensor's pages into this process now, as llama.cpp maps its file, where the tensor
+        is used as mapped: the first forward does not stop to fault them in one by one. Where the
+        system cannot (MADV_POPULATE_READ: Linux 5.14 and later), they are mapped as first read."""
+        info, page = self.tensors[name], mmap.PAGESIZE
+        first = info.start // page * page
+        try:
+            self.map.madvise(MADV_POPULATE_READ, first, info.start + info.nbytes - first)
+        except (OSError, ValueError):
+            pass
 
     def release(self, name: str) -> None:
         """Drop the pages of a tensor read into a copy of its own: its bytes leave this process's

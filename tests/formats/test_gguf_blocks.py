@@ -2,6 +2,8 @@
 read (llama_mini/quant/gguf_blocks.py), checked against gguf.quants, llama.cpp's own
 dequantization in numpy, and against the same file dequantized to float32."""
 
+import sys
+
 import gguf
 import numpy as np
 import pytest
@@ -563,7 +565,8 @@ def q8_0_blocks(shape, seed=2) -> np.ndarray:
 def test_on_the_kernels_a_q8_0_file_runs_from_its_mapped_bytes(tmp_path):
     """generate.py's load (load_model) on the kernels: each Q8_0 matrix, the tied embedding and
     head too, is the file's own bytes where it is mapped (none written to memory of the
-    process's own), and the layers compute what the int8 layers of --kernels off do."""
+    process's own), its pages mapped as the model loads, and the layers compute what the int8
+    layers of --kernels off do."""
     import argparse
 
     from llama_mini.inference.loading import load_model
@@ -574,9 +577,14 @@ def test_on_the_kernels_a_q8_0_file_runs_from_its_mapped_bytes(tmp_path):
     args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
     path, tensors = write_file(tmp_path / "tied-Q8_0.gguf", {name: T.Q8_0 for name in TYPES if name != "output.weight"}, args)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
-    models = {kernels: load_model(argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False),
-                                  path, "gguf", tokenizer) for kernels in ("auto", "off")}
-    mapped = models["auto"]
+    flags = {kernels: argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False)
+             for kernels in ("auto", "off")}
+    mapped = load_model(flags["auto"], path, "gguf", tokenizer)
+    head = mapped.output.blocks
+    if sys.platform.startswith("linux"):  # mapped while loading, as llama.cpp maps its file: no forward has read them
+        q8_0_bytes = sum(stored.nbytes for stored, kind in tensors.values() if kind == T.Q8_0)
+        assert resident_bytes_of_mapping(head.data_ptr()) >= q8_0_bytes
+    models = {"auto": mapped, "off": load_model(flags["off"], path, "gguf", tokenizer)}
     assert on_kernels(mapped) and mapped.output is mapped.tok_embeddings.table
     for name, (stored, kind) in tensors.items():
         if kind != T.Q8_0:
@@ -590,6 +598,18 @@ def test_on_the_kernels_a_q8_0_file_runs_from_its_mapped_bytes(tmp_path):
         mapped.setup_cache(1, 32), models["off"].setup_cache(1, 32)
         ours, theirs = mapped(PROMPT), models["off"](PROMPT)
     assert ((ours - theirs).pow(2).mean() / theirs.var()).sqrt() < 1e-3
+
+
+def resident_bytes_of_mapping(address: int) -> int:
+    """The resident bytes of the mapping that holds address (/proc/self/smaps' Rss)."""
+    lines = open("/proc/self/smaps").read().splitlines()
+    for i, line in enumerate(lines):
+        bounds = line.split(" ", 1)[0].split("-")
+        if len(bounds) == 2 and all(c in "0123456789abcdef" for c in "".join(bounds)) and \
+                int(bounds[0], 16) <= address < int(bounds[1], 16):
+            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
+            return int(rss.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 @pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])
