@@ -928,29 +928,48 @@ extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xs
 
 constexpr int64_t Q8_0_BYTES = 34;  // a block: its float16 scale, then 32 codes
 
-// A row's block of 32 codes times the activations' 32 (x): eight int32 sums of four products,
-// as int8's runs are multiplied (int8_dot): with VNNI, q + 128 (unsigned) times x, which adds
-// 128 times the activations' sum (Q8_0_START takes it away); without, |q| times x with q's sign.
-// Exact either way.
+// A row's block of 32 codes, loaded once for every row of x it meets (Q8_0Codes), times the
+// activations' 32 (x): eight int32 sums of four products, as int8's runs are multiplied
+// (int8_dot): with VNNI, q + 128 (unsigned) times x, which adds 128 times the activations' sum
+// (Q8_0_START takes it away); without, |q| times x with q's sign. Exact either way.
 #ifdef SIMD_WIDE
-inline __m256i q8_0_products(const uint8_t* codes, __m256i x) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80))), x);
-}
+struct Q8_0Codes {
+    __m256i unsigned_q;
+    explicit Q8_0Codes(const uint8_t* codes)
+        : unsigned_q(_mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes)), _mm256_set1_epi8(static_cast<char>(0x80)))) {}
+    __m256i times(__m256i x) const { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), unsigned_q, x); }
+};
 constexpr int32_t Q8_0_START = -128;
 #else
-inline __m256i q8_0_products(const uint8_t* codes, __m256i x) {
-    const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
-}
+struct Q8_0Codes {
+    __m256i q, magnitude;
+    explicit Q8_0Codes(const uint8_t* codes)
+        : q(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes))), magnitude(_mm256_sign_epi8(q, q)) {}
+    __m256i times(__m256i x) const {
+        return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, q)), _mm256_set1_epi16(1));
+    }
+};
 constexpr int32_t Q8_0_START = 0;
 #endif
 
-// Lane j: the sum of v[j]'s eight lanes.
-inline __m256i lane_sums(const __m256i v[8]) {
-    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
-    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
-    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+// The exact sums of block b of the eight rows from `set` with each of R rows of activations (x):
+// sums[r] lane j, row j's with x[r]. Each row's codes are loaded once for all R, and the rows'
+// products gathered pairwise by vphaddd as soon as they are made, so that few stay in registers.
+template <int R>
+inline void q8_0_block_sums(const uint8_t* set, int64_t row_bytes, int64_t b, const __m256i x[R], __m256i sums[R]) {
+    __m256i quad[2][R];
+    for (int g = 0; g < 2; g++) {  // rows 4g .. 4g + 3
+        __m256i pair[2][R];
+        for (int h = 0; h < 2; h++) {  // rows 4g + 2h, 4g + 2h + 1
+            const Q8_0Codes first(set + (4 * g + 2 * h) * row_bytes + b * Q8_0_BYTES + 2);
+            const Q8_0Codes second(set + (4 * g + 2 * h + 1) * row_bytes + b * Q8_0_BYTES + 2);
+            for (int r = 0; r < R; r++) pair[h][r] = _mm256_hadd_epi32(first.times(x[r]), second.times(x[r]));
+        }
+        for (int r = 0; r < R; r++) quad[g][r] = _mm256_hadd_epi32(pair[0][r], pair[1][r]);
+    }
+    for (int r = 0; r < R; r++)  // quad[g]: its rows' sums of lanes 0-3, then of lanes 4-7
+        sums[r] = _mm256_add_epi32(_mm256_permute2x128_si256(quad[0][r], quad[1][r], 0x20),
+                                   _mm256_permute2x128_si256(quad[0][r], quad[1][r], 0x31));
 }
 
 // The float16 scales of block b of the eight rows from `set`, `row_bytes` apart, as float32.
@@ -973,13 +992,13 @@ void q8_0_tile(const Activations& a, const uint8_t* w, Y* y, int64_t n, int64_t 
         if (fetch_next)
             for (int64_t line = 0; line < share; line += 64) _mm_prefetch(reinterpret_cast<const char*>(set + 8 * row_bytes + b * share + line), _MM_HINT_T1);
         const __m256 scales = q8_0_scales(set, row_bytes, b);
+        __m256i x[R], sums[R];
+        for (int r = 0; r < R; r++) x[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + ((m0 + r) * blocks + b) * BLOCK));
+        q8_0_block_sums<R>(set, row_bytes, b, x, sums);
         for (int r = 0; r < R; r++) {
             const int64_t ab = (m0 + r) * blocks + b;
-            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.codes + ab * BLOCK));
-            __m256i v[8];
-            for (int j = 0; j < 8; j++) v[j] = q8_0_products(set + j * row_bytes + b * Q8_0_BYTES + 2, x);
-            const __m256i sums = _mm256_add_epi32(lane_sums(v), _mm256_set1_epi32(Q8_0_START * a.sums[ab]));
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(scales, _mm256_set1_ps(a.scales[ab])), acc[r]);
+            const __m256i exact = _mm256_add_epi32(sums[r], _mm256_set1_epi32(Q8_0_START * a.sums[ab]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_mul_ps(scales, _mm256_set1_ps(a.scales[ab])), acc[r]);
         }
     }
     for (int r = 0; r < R; r++) store8(y + (m0 + r) * n + 8 * p, acc[r]);
