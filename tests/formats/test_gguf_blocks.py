@@ -612,16 +612,17 @@ def resident_bytes_of_mapping(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
-@pytest.mark.parametrize("rows", [1, 3, 15, 16, 40])
-def test_the_q8_0_kernel_gives_the_int8_kernels_bits_from_the_files_rows(rows):
+@pytest.mark.parametrize("shape", [(48, 1024), (24, 96)], ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 15, 16, 17, 40])
+def test_the_q8_0_kernel_gives_the_int8_kernels_bits_from_the_files_rows(rows, shape):
     """The rows read in place (a decoding step's few) or widened into int8's layout (a prompt's
     many) give the int8 kernel's outputs on the same codes and scales, bit for bit, in each
-    dtype; both are the layers' definition's to float tolerance."""
+    dtype; both are the layers' definition's to float tolerance. A row holding a NaN is NaN
+    throughout, as int8's, and leaves the others as they were."""
     from llama_mini.kernels.operators import FLOATS, operators
     from llama_mini.quant.layers import quantized_linear
 
     converter = kernels_converter()
-    shape = (48, 1024)
     blocks = q8_0_blocks(shape)
     mapped, int8 = layer_from_blocks(T.Q8_0, blocks, shape, converter), layer_from_blocks(T.Q8_0, blocks, shape)
     assert type(mapped) is MappedQ8_0Linear and int(mapped.codes().min()) == -128
@@ -632,6 +633,9 @@ def test_the_q8_0_kernel_gives_the_int8_kernels_bits_from_the_files_rows(rows):
         assert got.dtype == dtype and torch.equal(got, operators().linear_int8(x, int8.weight, int8.scales))
         torch.testing.assert_close(got.float(), quantized_linear(mapped, x.float()), rtol=1e-5 if dtype == torch.float32 else 1e-2,
                                    atol=1e-4)
+        x[-1, shape[1] // 2] = float("nan")
+        with_nan = operators().linear_q8_0(x, mapped.blocks)
+        assert with_nan[-1].isnan().all() and torch.equal(with_nan[:-1], got[:-1])
 
 
 def test_a_mapped_q8_0_layer_copied_into_plain_rows_is_the_int8_layer_of_its_blocks():
