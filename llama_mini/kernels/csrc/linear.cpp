@@ -56,7 +56,8 @@ constexpr int INT6_MR = INT_MR;
 #else
 constexpr int DENSE_MR = 3, DENSE_NR = 4;
 constexpr int INT_MR = 4, INT_NZ = 1;  // the sums of four rows spill to the stack once a block: 1.15-1.25x two rows' speed
-constexpr int INT6_MR = 2;  // an int6 run takes ten registers, and its sums are floats: four rows would spill every run
+constexpr int INT6_MR = 2;  // a widened int6 run takes ten registers, and its sums are floats: four rows would spill every run
+                            // (a decoding step's four rows spill too, but unpack each run once: 1.3x two tiles of two)
 #endif
 constexpr int64_t CHUNK = 128;  // rows of x per pass over the weights
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead each stream of integer weights is fetched
@@ -688,8 +689,8 @@ template <int MR, typename Tile> void over_sets(int64_t rows, int64_t n, int thr
     }, 2 * INT_NZ);
 }
 
-// Rows of x per tile for weights in format F.
-template <typename F> constexpr int tile_rows() { return std::is_base_of_v<Int6Format, F> ? INT6_MR : INT_MR; }
+// Rows of x per tile for weights in format F: a prompt's int6 tiles take fewer (INT6_MR).
+template <typename F> constexpr int tile_rows() { return std::is_base_of_v<WideInt6Format, F> ? INT6_MR : INT_MR; }
 
 // y = x W^T for integer weights in format F, y of float type y_type.
 template <typename F>
