@@ -387,12 +387,12 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
              "int5": lambda: int5_layer(16, k, g)[0], "int6": lambda: int6_layer(16, k, g)[0]}[kind]()  # Q5_K, Q6_K
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95, k - 1):
-        x = torch.randn(3, k, generator=g).to(dtype)
+        x = torch.randn(5, k, generator=g).to(dtype)  # a tile of four rows and one of one
         x[1, position] = value
         with torch.inference_mode():
             got, expected = fast(x), layer(x)
         assert got[1].isnan().all() and expected[1].isnan().all(), position
-        assert torch.equal(got[[0, 2]], fast(x[[0, 2]])) and not got[[0, 2]].isnan().any()
+        assert torch.equal(got[[0, 2, 3, 4]], fast(x[[0, 2, 3, 4]])) and not got[[0, 2, 3, 4]].isnan().any()
 
 
 # A layer without inputs runs in a child process: a division by zero would kill the process.
@@ -674,13 +674,12 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
     """A row's output does not depend on the rows beside it, bit for bit: a decoding step, a
     batch and a prompt of any length run one kernel per layer type, each output summed in one
     order (csrc/simd.h)."""
-    from llama_mini.quant.k_quants import Int5Linear, Int6Linear
     from llama_mini.quant.layers import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 96, generator=g)
     layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w),
-              "factored int4": factored_int4(40, 96, g), "int5": k_quant(Int5Linear, 40, 512, g), "int6": k_quant(Int6Linear, 40, 512, g)}
+              "factored int4": factored_int4(40, 96, g), "int5": int5_layer(40, 512, g)[0], "int6": int6_layer(40, 512, g)[0]}
     for name, layer in layers.items():
         layer = use_cpu_kernels(torch.nn.Sequential(layer.to(dtype)))[0]
         for rows in (2, 5, 17, 64, 150):  # tiles of 4 and 1, a prompt's tiles
@@ -695,19 +694,6 @@ def factored_int4(n, k, g):
 
     codes, factors = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8), torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8)
     return Int4Linear.from_codes(codes, *factors, 32, torch.rand(n, k // 96, generator=g) * 0.01, -torch.rand(n, k // 96, generator=g) * 0.2)
-
-
-def k_quant(cls, n, k, g):
-    """An Int5Linear or Int6Linear (llama.cpp's Q5_K and Q6_K) of random codes and factors."""
-    codes = torch.randint(0, 2 ** cls.bits, (n, k), generator=g, dtype=torch.uint8)
-    d, dmin = (torch.rand(2, n, k // 256, generator=g) * 0.01).half()
-    if cls.bits == 6:
-        factors = (torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8), d)
-    else:
-        factors = (*torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8), d, -dmin)
-    layer = cls(k, n)
-    layer.store_rows(0, codes, *factors)
-    return layer
 
 
 def test_a_weight_that_is_not_one_piece_of_memory_runs_the_layers_own_code(ops):
