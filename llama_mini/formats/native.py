@@ -72,7 +72,7 @@ def read_native(path: Path):
         state = offsets_from_zeros(state)
     check_fits_config(args, state, path, quantization=quantization)
     if args.tie_embeddings:  # the head is the embedding's table (its layer's tensors, where a GGUF file's)
-        table = "tok_embeddings.table." if "tok_embeddings.table.weight" in state else "tok_embeddings."
+        table = "tok_embeddings.table." if any(name.startswith("tok_embeddings.table.") for name in state) else "tok_embeddings."
         state.update({"output." + name.removeprefix(table): tensor for name, tensor in state.items() if name.startswith(table)})
     return args, state, quantization
 

@@ -15,8 +15,8 @@ own code, dequantizes them), value for value:
   q (d sc), four bits more.
 - Q5_K -> int5, as the file holds it: Q4_K's form (and factors) with a fifth bit: 5.63 bits a
   weight for Q5_K's 5.5.
-- Q6_K -> int6, as the file holds it: w = (d sc) (q - 32), 6-bit codes in sub-blocks of 16 with
-  an int8 sc each, d per super-block of 256: 6.56 bits a weight, as the file.
+- Q6_K -> its own blocks, where the file maps them (q6_k.py): w = (d sc) (q - 32), 6-bit codes in
+  sub-blocks of 16 with an int8 sc each, d per super-block of 256: 6.56 bits a weight, the file's.
 Every scale and offset is the file's 16-bit float, held as it is.
 
 The other types (Q5_1, Q2_K, Q3_K) are dequantized by gguf.quants and rounded to
@@ -31,14 +31,15 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as T
 
-from .k_quants import Int5Linear, Int6Linear
+from .k_quants import Int5Linear
 from .layers import Int4Linear, Int8Linear, quantize_int8, row_chunks
 from .layout import ROW_SET, as_words
 from .mapped_q8_0 import MappedQ8_0Linear, q8_0_codes_and_scales
+from .q6_k import Q6_KLinear
 
 EXACT_INT8 = (T.Q8_0, T.Q5_0)
 EXACT_INT4 = (T.Q4_0, T.Q4_1, T.Q4_K)
-EXACT_K = (T.Q5_K, T.Q6_K)  # to int5 and int6
+EXACT_K = (T.Q5_K, T.Q6_K)  # to int5, and Q6_K's own blocks
 REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K)  # to int8
 TYPES = EXACT_INT8 + EXACT_INT4 + EXACT_K + REQUANTIZED
 
@@ -49,22 +50,23 @@ def layer_from_blocks(kind: T, blocks: np.ndarray, shape, converter=None) -> tor
     the functions here or by converter (kind, blocks, layer) -> whether it filled the layer:
     the CPU kernels' (kernels/gguf_blocks.py), the same bytes faster. Where the kernels convert,
     a Q8_0 matrix in sets of eight rows is not converted at all: they read its rows where the file
-    maps them (MappedQ8_0Linear)."""
+    maps them (MappedQ8_0Linear). A Q6_K matrix never is: its layer holds the file's blocks (Q6_KLinear)."""
     out_features, in_features = shape
     if kind == T.Q8_0 and converter is not None and out_features % ROW_SET == 0:
         return MappedQ8_0Linear(torch.from_numpy(blocks), in_features)
+    if kind == T.Q6_K:
+        return Q6_KLinear(torch.from_numpy(blocks), in_features)
     if kind in EXACT_INT4 and out_features % ROW_SET == 0:
         if kind == T.Q4_K:
             layer = Int4Linear(in_features, out_features, 32, torch.float16, super_group_size=256)
         else:
             layer = Int4Linear(in_features, out_features, 32, torch.float16, symmetric=kind == T.Q4_0)
         convert = _INT4[kind]
-    elif kind in EXACT_K and out_features % ROW_SET == 0:
-        layer = (Int5Linear if kind == T.Q5_K else Int6Linear)(in_features, out_features)
-        convert = _q5_k if kind == T.Q5_K else _q6_k
+    elif kind == T.Q5_K and out_features % ROW_SET == 0:
+        layer, convert = Int5Linear(in_features, out_features), _q5_k
     elif kind in EXACT_INT8:
         layer, convert = Int8Linear(in_features, out_features, torch.float16), _INT8[kind]
-    else:  # int4, int5 and int6 need sets of eight rows: a matrix without them takes int8, as the other types do
+    else:  # int4 and int5 need sets of eight rows: a matrix without them takes int8, as the other types do
         layer, convert = Int8Linear(in_features, out_features, torch.bfloat16), _requantized(kind)
     if converter is not None and converter(kind, blocks, layer):
         return layer
@@ -85,8 +87,8 @@ def held_bytes(kind: T, shape) -> int:
         return n // 2 + 2 * 2 * blocks  # codes two a byte, a float16 scale and offset per group of 32
     if kind == T.Q5_K and out_features % ROW_SET == 0:  # five bits a code, two uint8 per 32, two float16 per 256
         return 5 * n // 8 + 2 * blocks + 2 * 2 * (n // 256)
-    if kind == T.Q6_K and out_features % ROW_SET == 0:  # six bits a code, an int8 per 16, a float16 per 256
-        return 6 * n // 8 + n // 16 + 2 * (n // 256)
+    if kind == T.Q6_K:  # the file's blocks
+        return n // 256 * 210
     return n + 2 * blocks  # int8: a float16 or bfloat16 scale per block of 32
 
 
@@ -159,20 +161,6 @@ def _q5_k(rows, k):
     fifth = as_words(b[..., 16:48]).view(n, supers, 1, 8) >> torch.arange(8, dtype=torch.int32)[:, None]
     codes |= fifth.bitwise_and_(0x01010101).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
     return codes.view(torch.uint8).view(n, k), sc, m, _half(b[..., :2]), -_half(b[..., 2:4])
-
-
-def _q6_k(rows, k):
-    """Q6_K: super-blocks of 256: 128 bytes of low nibbles (half c of 128 inputs: bytes 64c..64c+63,
-    inputs 128c + j in the low nibbles, 128c + 64 + j in the high ones), 64 bytes of high two
-    bits (byte 32c + j: inputs 128c + j + 32i in bits 2i, 2i + 1), 16 int8 sub-block scales and d.
-    -> codes, sc, d."""
-    b = _blocks(rows, T.Q6_K)
-    n, supers = len(rows), b.shape[1]
-    codes = as_words(_nibbles(b[..., :128].reshape(n, supers, 2, 64))).view(n, supers, 2, 4, 8)  # ..., half, i, words of j
-    high = as_words(b[..., 128:192]).view(n, supers, 2, 1, 8) >> torch.tensor([0, 2, 4, 6], dtype=torch.int32)[:, None]
-    codes |= high.bitwise_and_(0x03030303).bitwise_left_shift_(4)  # in place: a chunk's temporaries stay few
-    sc = b[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
-    return codes.view(torch.uint8).view(n, k), sc, _half(b[..., 208:])
 
 
 def _requantized(kind: T):

@@ -1,25 +1,25 @@
-"""llama.cpp's K-quants Q5_K and Q6_K as their GGUF files hold them: int5 and int6 layers.
+"""llama.cpp's K-quant Q5_K as its GGUF files hold it: the int5 layer.
 
-A GGUF file's Q5_K and Q6_K matrices (every Q4_K_M and Q5_K_M file has them) are carried into
-these layers code for code and scale for scale (gguf_blocks.py), so that a file runs in about its
-own size and at its own precision. Each computes layers.py's function, quantized_activations(x)
-W^T, with W its dequantized weights; --quantize makes int8 and int4 only.
+A GGUF file's Q5_K matrices (every Q5_K_M file has them) are carried into this layer code for code
+and scale for scale (gguf_blocks.py), so that a file runs in about its own size and at its own
+precision. It computes layers.py's function, quantized_activations(x) W^T, with W its dequantized
+weights; --quantize makes int8 and int4 only. (Q6_K is read where the file maps it: q6_k.py.)
 """
 
 import torch
 from torch import nn
 
 from .layers import quantized_linear, rows_of_sets
-from .layout import ROW_SET, deinterleave_rows, interleave_rows, pack_int5, pack_int6, unpack_int5, unpack_int6
+from .layout import BLOCK, ROW_SET, deinterleave_rows, interleave_rows, pack_int5, unpack_int5
 
 
 class KQuantLinear(nn.Module):
-    """What Int5Linear and Int6Linear share: one of llama.cpp's K-quants as its GGUF file holds
-    it, codes of `bits` bits in sets of eight rows (layout.py), their factors (FACTORS: name,
-    inputs each covers, dtype) in sets too, super-groups of 256 inputs; the weights, float32, are
-    the subclass's function of the codes (weights)."""
+    """One of llama.cpp's K-quants as its GGUF file holds it, codes of `bits` bits in sets of eight
+    rows (layout.py), their factors (FACTORS: name, inputs each covers, dtype) in sets too,
+    super-groups of 256 inputs; the weights, float32, are the subclass's function of the codes
+    (weights)."""
 
-    super_group_size, rows_of_8, float_dtype = 256, True, torch.float32
+    super_group_size, rows_of_8, float_dtype, activation_block = 256, True, torch.float32, BLOCK
 
     def __init__(self, in_features: int, out_features: int, device=None):
         super().__init__()
@@ -83,28 +83,4 @@ class Int5Linear(KQuantLinear):
         """q (d sc) + (-dmin m) of codes (rows, in): all rows, or rows ids."""
         scales, offsets = self.group_scales_and_offsets(ids)
         w = codes.view(len(codes), -1, self.group_size).float().mul_(scales[..., None]).add_(offsets[..., None])
-        return w.view(len(codes), -1)
-
-
-class Int6Linear(KQuantLinear):
-    """y = quantized_activations(x) W^T with W = d s (q - 32): 6-bit codes q (0..63) in
-    sub-blocks of 16 inputs, each with an int8 factor s, and a float16 d per row and 256 inputs.
-    It is llama.cpp's Q6_K as the file holds it (6.56 bits a weight; here 6.63), for a GGUF
-    file's Q6_K matrices (every Q4_K_M file has some): d s, a 16-bit float times an int8, is
-    exact in float32, and so is d s (q - 32) (layout.py's int6)."""
-
-    bits, group_size = 6, 16
-    FACTORS = (("scales", 16, torch.int8), ("super_scales", 256, torch.float16))
-    pack, unpack = staticmethod(pack_int6), staticmethod(unpack_int6)
-
-    def sub_block_scales(self, ids=None) -> torch.Tensor:
-        """d s for each row and sub-block of 16 inputs, (out_features, in_features / 16), in float32;
-        of rows ids only, where given."""
-        rows = deinterleave_rows if ids is None else lambda t: rows_of_sets(t, ids)
-        supers = rows(self.super_scales).float().repeat_interleave(self.super_group_size // self.group_size, dim=1)
-        return supers * rows(self.scales).float()
-
-    def weights(self, codes: torch.Tensor, ids=None) -> torch.Tensor:
-        """(d s) (q - 32) of codes (rows, in): all rows, or rows ids."""
-        w = codes.view(len(codes), -1, self.group_size).float().sub_(32).mul_(self.sub_block_scales(ids)[..., None])
         return w.view(len(codes), -1)

@@ -24,7 +24,8 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float factor per super-group of inputs
   times a uint8 per group, 4.63 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
-The int5 and int6 layers of GGUF's Q5_K and Q6_K (k_quants.py) compute the same function.
+The int5 layer of GGUF's Q5_K (k_quants.py) computes the same function; the Q6_K layer (q6_k.py)
+the same with the activations in blocks of 256, as llama.cpp computes Q6_K.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -51,13 +52,13 @@ DEFAULT_GROUP_SIZE = 32
 CODES_AS_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
-    """x in float32 as the integer layers see it: cut into blocks of 32 along the last axis (the
-    last block shorter where the features are not a multiple of 32), each block rounded to int8
-    with the scale absmax / 127 (float32 arithmetic, ties to even)."""
+def quantized_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
+    """x in float32 as the integer layers see it: cut into blocks of `block` (32; 256 for Q6_K,
+    q6_k.py) along the last axis (the last block shorter where the features are not a multiple
+    of it), each block rounded to int8 with the scale absmax / 127 (float32 arithmetic, ties to even)."""
     features = x.shape[-1]
-    padded = F.pad(x.float(), (0, -features % BLOCK))  # zeros change no block's absmax
-    blocks = padded.unflatten(-1, (-1, BLOCK))
+    padded = F.pad(x.float(), (0, -features % block))  # zeros change no block's absmax
+    blocks = padded.unflatten(-1, (-1, block))
     absmax = blocks.abs().amax(-1, keepdim=True)
     inverse = torch.div(torch.tensor(127.0), absmax)  # not 127 / absmax: torch computes that as 127 * (1 / absmax)
     codes = torch.round(blocks * torch.where(absmax > 0, inverse, 0.0))
@@ -76,6 +77,8 @@ class Int8Linear(nn.Module):
     out_features % 8 == 0 and in_features % 32 == 0, as in every Llama matrix; other shapes,
     and every shape once hold_plain_rows is called, keep plain rows: (out_features,
     in_features) codes and (out_features, blocks) scales."""
+
+    activation_block = BLOCK
 
     def __init__(self, in_features: int, out_features: int, dtype=torch.float32, device=None):
         super().__init__()
@@ -192,6 +195,8 @@ class Int4Linear(nn.Module):
     called, plain rows of two codes a byte. With super_group_size, scales and offsets are uint8
     factors of float super_scales and super_offsets, one per super-group of inputs. Symmetric,
     each group's offset is -8 times its scale (llama.cpp's Q4_0: w = d (q - 8)), so none is held."""
+
+    activation_block = BLOCK
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                  dtype=torch.float32, device=None, super_group_size: int = 0, symmetric: bool = False):
@@ -384,7 +389,7 @@ def quantized_linear(layer, x: torch.Tensor) -> torch.Tensor:
     in x's dtype. Off the CPU kernels this is what runs: under torch.compile, one row of a layer
     held in plain rows goes through one_row; otherwise W is dequantized for the call, then
     multiplied (quantized_notice says what that costs)."""
-    xq = quantized_activations(x)
+    xq = quantized_activations(x, layer.activation_block)
     if (torch.compiler.is_compiling() and not layer.rows_of_8 and layer.in_features % BLOCK == 0
             and x.shape[:-1].numel() == 1):
         return layer.one_row(xq).view(*x.shape[:-1], -1).to(x.dtype)

@@ -1,13 +1,10 @@
-"""How int8, int4 and int6 weights are laid out, in memory and in a quantized checkpoint alike.
+"""How int8, int4 and int5 weights are laid out, in memory and in a quantized checkpoint alike.
 
 Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/kernels.h) feeds
 eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
-and 8c + 4 + u in its high nibble. int6 (llama.cpp's Q6_K, 6-bit codes): for each set and block
-of 32 inputs, 192 bytes, two runs of 96, one per half of the block (inputs 16h .. 16h + 15): the
-low nibbles of int4's runs 2h and 2h + 1, then their high two bits, byte 4j + u holding those of
-run 2h's inputs u and 4 + u in bits 0-1 and 2-3, and of run 2h + 1's in bits 4-5 and 6-7. int5
+and 8c + 4 + u in its high nibble. int5
 (llama.cpp's Q5_K): for each set and block, int4's 128 bytes of low nibbles, then 32 bytes of
 fifth bits, byte 4j + u holding those of run c's inputs u and 4 + u in bits 2c and 2c + 1. The scales (int8's per block of 32 inputs, int4's per group)
 and int4's offsets likewise hold the eight rows of a set side by side. Loading a checkpoint is
@@ -39,6 +36,8 @@ def as_words(field: torch.Tensor) -> torch.Tensor:
     field = field.contiguous()
     if field.numel() == 0:  # no strides to reinterpret
         return field.new_empty((*field.shape[:-1], field.shape[-1] // 4), dtype=torch.int32)
+    if any(stride % 4 for stride in field.stride()[:-1]):  # a slice of one row counts as contiguous, its parent's strides kept
+        field = field.clone(memory_format=torch.contiguous_format)
     return field.view(torch.int32)
 
 
@@ -102,27 +101,6 @@ def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
 
 
 _FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # run, nibble, (u): bit 2 run + nibble
-
-
-def pack_int6(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..63 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 6 k)."""
-    n, k = codes.shape
-    words = as_words(codes)
-    low = _int4_runs(words & 0x0F0F0F0F, n, k).reshape(n // ROW_SET, k // BLOCK, 2, 2 * ROW_SET)  # set, block, half
-    high = ((words >> 4) & 0x03030303).view(n // ROW_SET, ROW_SET, k // BLOCK, 2, 4)  # set, row, block, half, (run, nibble)
-    bits = high[..., 0] | (high[..., 1] << 2) | (high[..., 2] << 4) | (high[..., 3] << 6)  # disjoint bits
-    return _bytes(torch.cat((low, bits.permute(0, 2, 3, 1)), -1), n // ROW_SET, 6 * k)
-
-
-def unpack_int6(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int6's inverse: (n / 8, 6 k) bytes -> codes (n, k)."""
-    sets, k = packed.shape[0], packed.shape[1] // 6
-    runs = packed.view(sets, k // BLOCK, 2, 96)
-    low = unpack_int4(runs[..., :64].reshape(sets, 4 * k))
-    bits = runs[..., 64:].reshape(sets, k // BLOCK, 2, ROW_SET, 1, 1, 4)  # set, block, half, row, run, nibble, u
-    shifts = torch.tensor([[0, 2], [4, 6]], dtype=torch.uint8)[..., None]
-    high = ((bits >> shifts) & 3).permute(0, 3, 1, 2, 4, 5, 6).reshape(sets * ROW_SET, k)
-    return low | (high << 4)
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

@@ -322,7 +322,7 @@ def test_a_quantized_file_loads_in_about_its_own_size_or_its_dequantized_size_as
     """A file of 29M weights (112 MiB in float32; Q4_0 16 MiB, Q8_0 30 MiB, Q4_K 16 MiB). At its
     own precision, loading raises the peak memory by the bytes the model holds (Q4_0 as int4 with
     the file's float16 scales and offsets is 1.11x its bytes, Q8_0 as int8 1.00x, Q4_K as int4
-    with factored scales 1.06x, Q5_K as int5 1.05x, Q6_K as int6 1.01x) and at most 20 MiB more
+    with factored scales 1.06x, Q5_K as int5 1.05x, Q6_K its own blocks 1.00x) and at most 20 MiB more
     (imports, threads, the largest tensor's conversion; 24 for Q5_K and Q6_K, whose bit planes take
     a few more to convert): each tensor's pages are dropped once converted, the heap's freed pages given
     back, and no float copy is made. Dequantized (dtype float32), by the float32 weights and the

@@ -210,45 +210,51 @@ def int5_layer(n, k, g):
     return layer, (codes.double().unflatten(-1, (-1, 32)) * scales[..., None] + offsets[..., None]).flatten(-2)
 
 
-def int6_layer(n, k, g):
-    """llama.cpp's Q6_K as Int6Linear holds it: codes 0..63 (all 63 and all 0 in two rows), an
-    int8 factor per sub-block of 16 inputs (its extremes -128 and 127 too), float16 per 256."""
-    from llama_mini.quant.k_quants import Int6Linear
+def q6_k_layer(n, k, g):
+    """llama.cpp's Q6_K as its file holds it (Q6_KLinear): codes 0..63 (all 63 and all 0 in two
+    rows), an int8 scale per sub-block of 16 inputs (its extremes -128 and 127 too), a float16 d
+    per 256, packed here as llama.cpp packs them (ggml-common.h's block_q6_K)."""
+    from llama_mini.quant.q6_k import Q6_KLinear
 
     codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 63, 0
     factors = torch.randint(-128, 128, (n, k // 16), generator=g, dtype=torch.int8)
     factors[3, :], factors[4, :] = -128, 127
-    supers = (torch.rand(n, k // 256, generator=g) * 1e-3).half().float()  # as a file's 16-bit d
-    layer = Int6Linear(k, n)
-    layer.store_rows(0, codes, factors, supers)
-    return layer, (codes.double() - 32) * (supers.double().repeat_interleave(16, dim=1) * factors.double()).repeat_interleave(16, dim=1)
+    d = (torch.rand(n, k // 256, generator=g) * 1e-3).half()
+    c = codes.view(n, k // 256, 2, 2, 2, 32).long()  # block, half, high nibble?, second 32?, j: input 128 half + 64 nib + 32 sec + j
+    ql = (c[:, :, :, 0] & 15) | ((c[:, :, :, 1] & 15) << 4)  # byte 64 half + 32 sec + j
+    qh = sum(((c[:, :, :, i // 2, i % 2] >> 4) & 3) << (2 * i) for i in range(4))  # byte 32 half + j: input 128 half + 32 i + j
+    blocks = torch.cat((ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64), factors.view(torch.uint8).view(n, k // 256, 16).long(),
+                        d.view(torch.uint8).view(n, k // 256, 2).long()), -1).to(torch.uint8)
+    w = (codes.double() - 32) * (d.double().repeat_interleave(16, dim=1) * factors.double()).repeat_interleave(16, dim=1)
+    return Q6_KLinear(blocks.view(n, -1), k), w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 70, 130])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("make", [int5_layer, int6_layer], ids=["int5", "int6"])
-def test_int5_and_int6_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
+@pytest.mark.parametrize("make", [int5_layer, q6_k_layer], ids=["int5", "Q6_K"])
+def test_int5_and_q6_k_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
     """A decoding step reads the codes as held; from 16 rows a prompt widens them once per call
-    (csrc/linear.cpp). The dequantized weights are exact in float32. Outputs of 88 rows: sets of
-    eight in threads' bands and tiles, with one left over; the last row of x has a block whose
-    first half is all -127 and its second +127 (int6's sub-blocks carry their own sums)."""
+    (csrc/linear.cpp, csrc/q6_k.cpp). The dequantized weights are exact in float32. Outputs of 92
+    rows: sets of eight in threads' bands and tiles, with four left over; the last row of x has a
+    block whose first half is all -127 and its second +127 (Q6_K's sub-blocks carry their own sums)."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=g).to(dtype)
     x[-1, :16], x[-1, 16:32] = -1.0, 1.0
-    layer, w = make(88, 768, g)
+    layer, w = make(88 if make is int5_layer else 92, 768, g)  # int5 holds sets of eight rows; Q6_K any rows
     assert torch.equal(layer.dequantize(), w.float())  # one float32 rounding of the exact weight, as gguf's
-    operands = [t for t in (layer.weight, layer.scales, getattr(layer, "offsets", None), layer.super_scales,
-                            getattr(layer, "super_offsets", None)) if t is not None]
-    got = getattr(ops, f"linear_{make.__name__[:4]}")(x, *operands)
-    close(got, quantized_activations(x).double() @ w.t(), dtype)
+    if make is int5_layer:
+        got = ops.linear_int5(x, layer.weight, layer.scales, layer.offsets, layer.super_scales, layer.super_offsets)
+    else:
+        got = ops.linear_q6_k(x, layer.blocks)
+    close(got, quantized_activations(x, layer.activation_block).double() @ w.t(), dtype)
     torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("make", [int5_layer, int6_layer, "factored int4"], ids=["int5", "int6", "factored-int4"])
+@pytest.mark.parametrize("make", [int5_layer, "factored int4"], ids=["int5", "factored-int4"])
 def test_the_k_quant_kernels_read_super_scales_held_as_float32_alike(ops, make, rows):
     """The K-quants' layers hold d (and -dmin) as the file's float16; a checkpoint converted
     before held them as float32, the same values, and loads them as they are: the same outputs."""
@@ -290,9 +296,10 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
     with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
         ops.linear_int5(torch.randn(1, 32), torch.zeros(1, 160, dtype=torch.uint8), *torch.zeros(2, 1, 8, dtype=torch.uint8),
                         *torch.ones(2, 1, 8))
-    with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
-        ops.linear_int6(torch.randn(1, 32), torch.zeros(1, 192, dtype=torch.uint8), torch.zeros(1, 16, dtype=torch.int8),
-                        torch.ones(1, 8))
+    with pytest.raises(RuntimeError, match="Q6_K rows"):
+        ops.linear_q6_k(torch.randn(1, 256), torch.zeros(1, 1, 192, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="input of shape"):
+        ops.linear_q6_k(torch.randn(1, 32), torch.zeros(1, 1, 210, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="a contiguous 2-D weight"):
         ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
 
@@ -367,24 +374,24 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype, cache_dtype):
     assert step.isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "symmetric int4", "int5", "int6"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "symmetric int4", "int5", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
-    """quantized_activations turns a block of 32 holding a NaN or an infinity into NaNs (inf * 0,
+    """quantized_activations turns a block (of 32, or Q6_K's 256) holding a NaN or an infinity into NaNs (inf * 0,
     NaN * anything), so every output of that row is NaN; the other rows are untouched. Wherever
     the value sits in its block, the first lane, the last, or between."""
     from llama_mini.quant.layers import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
-    k = 256 if kind in ("int5", "int6") else 96  # the K-quants' super-blocks
+    k = 256 if kind in ("int5", "Q6_K") else 96  # the K-quants' super-blocks
     w = torch.randn(16, k, generator=g).to(dtype)
     layer = {"int8": lambda: Int8Linear.from_weight(w), "int4": lambda: Int4Linear.from_weight(w),
              "int8, float16 scales": lambda: Int8Linear.from_weight(w, torch.float16),  # a GGUF file's Q8_0
              "factored int4": lambda: factored_int4(16, 96, g).to(dtype),  # a GGUF file's Q4_K
              "symmetric int4": lambda: Int4Linear.from_codes(torch.randint(0, 16, (16, k), generator=g, dtype=torch.uint8),
                                                              (torch.rand(16, k // 32, generator=g) / 8).half(), None),  # Q4_0
-             "int5": lambda: int5_layer(16, k, g)[0], "int6": lambda: int6_layer(16, k, g)[0]}[kind]()  # Q5_K, Q6_K
+             "int5": lambda: int5_layer(16, k, g)[0], "Q6_K": lambda: q6_k_layer(16, k, g)[0]}[kind]()
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95, k - 1):
         x = torch.randn(5, k, generator=g).to(dtype)  # a tile of four rows and one of one
@@ -679,7 +686,7 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 96, generator=g)
     layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w),
-              "factored int4": factored_int4(40, 96, g), "int5": int5_layer(40, 512, g)[0], "int6": int6_layer(40, 512, g)[0]}
+              "factored int4": factored_int4(40, 96, g), "int5": int5_layer(40, 512, g)[0], "Q6_K": q6_k_layer(44, 512, g)[0]}
     for name, layer in layers.items():
         layer = use_cpu_kernels(torch.nn.Sequential(layer.to(dtype)))[0]
         for rows in (2, 5, 17, 64, 150):  # tiles of 4 and 1, a prompt's tiles

@@ -7,9 +7,8 @@
 // thread: a file loads in a fraction of the time.
 //
 // blocks: the matrix's blocks as the file holds them, uint8 (rows, bytes per row), rows a
-// multiple of eight. kind: the GGML type (Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12, Q5_K 13,
-// Q6_K 14). outputs: the layer's buffers in its order (weight first), in quant/layout.py's
-// sets of eight rows. What each type's codes and factors are is quant/gguf_blocks.py's.
+// multiple of eight. kind: the GGML type (Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12, Q5_K 13). outputs: the
+// layer's buffers in its order (weight first), in quant/layout.py's sets of eight rows. What each type's codes and factors are is quant/gguf_blocks.py's.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -42,7 +41,6 @@ Kind kind_of(int64_t kind) {
         case 3: return {32, 20, 4, {{32, 2}, {32, 2}}};                         // Q4_1: d, m
         case 12: return {256, 144, 4, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q4_K: sc, m, d, -dmin
         case 13: return {256, 176, 5, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q5_K: the same
-        case 14: return {256, 210, 6, {{16, 1}, {256, 2}}};                     // Q6_K: sc, d
     }
     TORCH_CHECK(false, "llama_mini::gguf_blocks: no converter for GGML type ", kind);
 }
@@ -62,7 +60,7 @@ uint32_t word(const uint8_t* p) {
     return w;
 }
 void put_word(uint8_t* p, uint32_t w) { std::memcpy(p, &w, 4); }
-constexpr uint32_t LOW_NIBBLES = 0x0F0F0F0F, LOW_TWO_BITS = 0x03030303, LOW_BIT = 0x01010101;
+constexpr uint32_t LOW_NIBBLES = 0x0F0F0F0F, LOW_BIT = 0x01010101;
 
 // Q4_K's and Q5_K's twelve bytes of 6-bit sub-block scales and mins (llama.cpp's get_scale_min_k4).
 void scales_and_mins(const uint8_t* q, uint8_t* sc, uint8_t* m) {
@@ -108,27 +106,13 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
                 }
             return;
         }
-        case 14: {
-            const uint8_t *ql = b, *qh = b + 128;
-            std::memcpy(factor[0], b + 192, 16), std::memcpy(factor[1], b + 208, 2);
-            for (int n = 0; n < 2; n++)
-                for (int l = 0; l < 32; l += 4) {
-                    const uint32_t low = word(ql + 64 * n + l), low32 = word(ql + 64 * n + l + 32), high = word(qh + 32 * n + l);
-                    uint8_t* q = codes + 128 * n;
-                    put_word(q + l, (low & LOW_NIBBLES) | ((high & LOW_TWO_BITS) << 4));
-                    put_word(q + l + 32, (low32 & LOW_NIBBLES) | (((high >> 2) & LOW_TWO_BITS) << 4));
-                    put_word(q + l + 64, ((low >> 4) & LOW_NIBBLES) | (((high >> 4) & LOW_TWO_BITS) << 4));
-                    put_word(q + l + 96, ((low32 >> 4) & LOW_NIBBLES) | (((high >> 6) & LOW_TWO_BITS) << 4));
-                }
-            return;
-        }
     }
 }
 
 // A set's eight rows of codes (row j at codes + j k) into the set's bytes of layout.py's int8,
-// int4, int5 or int6. A run holds four inputs of each row, so each row's four bytes of a run are
-// one word: inputs i .. i + 3 in its low nibbles, i + 4 .. i + 7 in its high, and their fifth or
-// high two bits in the word after the runs.
+// int4 or int5. A run holds four inputs of each row, so each row's four bytes of a run are one
+// word: inputs i .. i + 3 in its low nibbles, i + 4 .. i + 7 in its high, and their fifth bits in
+// the word after the runs.
 template <int bits>
 void pack_set(const uint8_t* codes, int64_t k, uint8_t* out) {
     if constexpr (bits == 8) {
@@ -140,26 +124,13 @@ void pack_set(const uint8_t* codes, int64_t k, uint8_t* out) {
         for (int64_t j = 0; j < ROWS; j++) {
             const uint8_t* row = codes + j * k + BLOCK * b;
             const auto nibbles = [&](int64_t i) { return (word(row + i) & LOW_NIBBLES) | ((word(row + i + 4) & LOW_NIBBLES) << 4); };
-            if constexpr (bits == 4 || bits == 5) {
-                uint8_t* block = out + (bits == 4 ? 128 : 160) * b;
-                uint32_t fifth = 0;
-                for (int64_t c = 0; c < 4; c++) {
-                    put_word(block + 32 * c + 4 * j, nibbles(8 * c));
-                    fifth |= ((word(row + 8 * c) >> 4) & LOW_BIT) << (2 * c) | ((word(row + 8 * c + 4) >> 4) & LOW_BIT) << (2 * c + 1);
-                }
-                if constexpr (bits == 5) put_word(block + 128 + 4 * j, fifth);
-            } else {
-                for (int64_t h = 0; h < 2; h++) {
-                    uint8_t* run = out + 192 * b + 96 * h;
-                    uint32_t high = 0;
-                    for (int64_t r = 0; r < 2; r++) {
-                        const int64_t first = 8 * (2 * h + r);
-                        put_word(run + 32 * r + 4 * j, nibbles(first));
-                        high |= ((word(row + first) >> 4) & LOW_TWO_BITS) << (4 * r) | ((word(row + first + 4) >> 4) & LOW_TWO_BITS) << (4 * r + 2);
-                    }
-                    put_word(run + 64 + 4 * j, high);
-                }
+            uint8_t* block = out + (bits == 4 ? 128 : 160) * b;
+            uint32_t fifth = 0;
+            for (int64_t c = 0; c < 4; c++) {
+                put_word(block + 32 * c + 4 * j, nibbles(8 * c));
+                fifth |= ((word(row + 8 * c) >> 4) & LOW_BIT) << (2 * c) | ((word(row + 8 * c + 4) >> 4) & LOW_BIT) << (2 * c + 1);
             }
+            if constexpr (bits == 5) put_word(block + 128 + 4 * j, fifth);
         }
 }
 
@@ -201,8 +172,7 @@ void gguf_blocks_op(const at::Tensor& blocks, int64_t kind, at::TensorList outpu
             switch (form.bits) {
                 case 8: pack_set<8>(codes.data(), k, packed); break;
                 case 4: pack_set<4>(codes.data(), k, packed); break;
-                case 5: pack_set<5>(codes.data(), k, packed); break;
-                default: pack_set<6>(codes.data(), k, packed);
+                default: pack_set<5>(codes.data(), k, packed);
             }
             for (size_t f = 0; f < at.size(); f++) {  // row j's group g to the set's place g * 8 + j (interleave_rows)
                 const int64_t groups = k / form.factors[f].inputs, size = form.factors[f].size;

@@ -24,11 +24,12 @@ extern "C" void linear_dense(const void* x, const void* w, void* y, int64_t rows
 extern "C" void linear_panels(const void* x, const void* panels, void* y, int64_t rows, int64_t n, int64_t k,
                               int x_type, int w_type, int threads);
 
-// Activations for the integer kernels: each row of x cut into blocks of 32, each block
-// rounded to int8 with its own scale (absmax / 127), as llama.cpp's Q8_0 does. xq is
-// (rows, k), xd and xsum (the block's sum of codes) are (rows, k / 32). k % 32 == 0.
+// Activations for the integer kernels: each row of x cut into blocks of `block` inputs (32, as
+// llama.cpp's Q8_0 does, or 256, its Q8_K for the K-quants that read in place), each block rounded
+// to int8 with its own scale (absmax / 127). xq is (rows, k), xd (rows, k / block), and xsum the
+// sums of each 32 codes, (rows, k / 32). k % block == 0.
 extern "C" void quantize_activations(const void* x, int x_type, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
-                                     int64_t k, int threads);
+                                     int64_t k, int64_t block, int threads);
 
 // W int8 with a scale per row and block of 32 inputs: W[i, j] = w[i, j] * scales[i, j / 32].
 // n % 8 == 0: rows come in sets of eight, interleaved. For set p and block b, w[p, b] is 256
@@ -63,22 +64,16 @@ extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* super_offsets, int super_type, void* y, int64_t rows, int64_t n, int64_t k,
                             int y_type, int threads);
 
-// W int6 (llama.cpp's Q6_K): W[i, j] = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs,
-// s an int8 per row and sub-block, d per row and 256 inputs, of float type super_type (a GGUF
-// file's float16). n % 8 == 0, k % 256 == 0.
-// For set p and block b of 32 inputs, codes[p, b] is 192 bytes: a run of 96 per half h of the
-// block (inputs 16h .. 16h + 15): int4's runs 2h and 2h + 1 of their low nibbles, then 32 bytes
-// of their high two bits, byte 4j + u holding run 2h's in bits 0-3 (input u's, then 4 + u's) and
-// run 2h + 1's in bits 4-7. scales are (n / 8, k / 16, 8), super_scales (n / 8, k / 256, 8).
-extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const int8_t* scales, const void* super_scales, int super_type, void* y, int64_t rows,
-                            int64_t n, int64_t k, int y_type, int threads);
-
 // W as a GGUF file holds Q8_0 (llama.cpp): row i is k / 32 blocks of 34 bytes, a float16 scale d
 // and 32 int8 codes q, W[i, j] = d q, read where the file maps them. n % 8 == 0. The same
 // integer sums and float32 steps as linear_int8 on those codes and scales, so the same bits.
 extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* blocks, void* y,
                             int64_t rows, int64_t n, int64_t k, int y_type, int threads);
+
+// W as a GGUF file holds Q6_K (llama.cpp): row i is k / 256 blocks of 210 bytes (q6_k.cpp), W[i, j] =
+// d s (q - 32), read where the file maps them; xq and xd are activations in blocks of 256.
+extern "C" void linear_q6_k(const int8_t* xq, const float* xd, const uint8_t* blocks, void* y, int64_t rows, int64_t n,
+                            int64_t k, int y_type, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,
 // head_dim) and k, v (batch, rows, kv_heads, head_dim), contiguous; k is rotated and stored

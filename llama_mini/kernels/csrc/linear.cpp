@@ -1,5 +1,6 @@
 // Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
-// float16 weights, int8, int4, int5 and int6 weights, and a GGUF file's Q8_0 blocks where it maps them.
+// float16 weights, int8, int4 and int5 weights, and a GGUF file's Q8_0 blocks where it maps them
+// (its Q6_K blocks: q6_k.cpp).
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -52,12 +53,9 @@ using namespace simd;
 #ifdef SIMD_WIDE
 constexpr int DENSE_MR = 4, DENSE_NR = 6;  // rows of x, rows of W
 constexpr int INT_MR = 4, INT_NZ = 3;  // rows of x, pairs of sets of eight rows of W
-constexpr int INT6_MR = INT_MR;
 #else
 constexpr int DENSE_MR = 3, DENSE_NR = 4;
 constexpr int INT_MR = 4, INT_NZ = 1;  // the sums of four rows spill to the stack once a block: 1.15-1.25x two rows' speed
-constexpr int INT6_MR = 2;  // a widened int6 run takes ten registers, and its sums are floats: four rows would spill every run
-                            // (a decoding step's four rows spill too, but unpack each run once: 1.3x two tiles of two)
 #endif
 constexpr int64_t CHUNK = 128;  // rows of x per pass over the weights
 constexpr int64_t PREFETCH_BYTES = 1024;  // how far ahead each stream of integer weights is fetched
@@ -522,68 +520,6 @@ template <typename F> struct FifthBit : FiveBitSums<F> {
     }
 };
 
-// int6 (llama.cpp's Q6_K): w = d s (q - 32), codes q 0..63 in sub-blocks of 16 inputs, s an int8
-// per row and sub-block, d a float32 per row and 256 inputs. A run is a sub-block: two runs of
-// int4's low nibbles and their high two bits (kernels.h). Its exact sum, sum q x - 32 sum x, gets
-// its scale d s (exact in float32) at once, and the block's two, x's scale.
-struct Int6Format {
-    static constexpr int RUNS = 2, RUN_BYTES = 96, BLOCK_BYTES = 192;
-    using Sum = Floats16;
-    struct Run {
-        Codes16 q[4];  // inputs 0..3, 4..7, 8..11, 12..15 of the sub-block
-        Floats16 scale;  // d s
-    };
-    struct Inputs {
-        int32_t x[4];  // four activations each
-        int32_t start;  // -32 times the sub-block's sum of activations
-    };
-    struct Scales {};
-    const int8_t* sub_scales;  // (n / 8, k / 16, 8)
-    const void* super_scales;  // (n / 8, k / 256, 8), of super_type
-    const int32_t* half_sums;  // (rows, k / 32): the sum of each block's first 16 activations
-    const int32_t* block_sums;  // (rows, k / 32): the activations' sums (Activations::sums)
-    int64_t blocks;
-    int super_type;
-
-    static Sum start(int32_t) { return Floats16::zero(); }
-    Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
-        Run run;
-        const Ints16 high = Ints16::load(first + 64, second + 64);
-        six_bit_codes<0>(Ints16::load(first, second), high, run.q[0], run.q[1]);
-        six_bit_codes<4>(Ints16::load(first + 32, second + 32), high, run.q[2], run.q[3]);
-        run.scale = mul(set_pair_int8_floats(sub_scales, first_set, second_set, 2 * blocks, 2 * b + c),
-                        set_pair_scales(super_scales, super_type, first_set, second_set, blocks / 8, b / 8));
-        return run;
-    }
-    Inputs inputs(const int8_t* block, int64_t row, int64_t b, int c) const {
-        const int8_t* x = block + 16 * c;
-        const int32_t half = half_sums[row * blocks + b], sum = c == 0 ? half : block_sums[row * blocks + b] - half;
-        return {{four_bytes(x), four_bytes(x + 4), four_bytes(x + 8), four_bytes(x + 12)}, -32 * sum};
-    }
-    static Sum dot(Sum acc, const Run& w, const Inputs& x) {
-        const Ints16 sub = u4_dot2(u4_dot2(Ints16::all(x.start), w.q[0], x.x[0], w.q[1], x.x[1]), w.q[2], x.x[2], w.q[3], x.x[3]);
-        return fma(to_float(sub), w.scale, acc);
-    }
-    Scales scales_of(int64_t, int64_t, int64_t) const { return {}; }
-    static Floats16 add(Floats16 acc, Sum sum, const Scales&, float d, int32_t) { return fma(sum, Floats16::all(d), acc); }
-};
-
-// int6 widened for a prompt (widen_int6): each code a byte, and each sub-block's scale d s a
-// float32, so that the tiles of a prompt's rows read them as they are, as int8's do; a run is a
-// sub-block, four runs of 32 bytes (inputs 4i .. 4i + 3 of each row), and scales are
-// (sets, k / 16, 8).
-struct WideInt6Format : Int6Format {
-    static constexpr int RUN_BYTES = 128, BLOCK_BYTES = 256;
-    const float* wide_scales;
-
-    Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
-        Run run;
-        for (int i = 0; i < 4; i++) run.q[i] = as_codes(Ints16::load(first + 32 * i, second + 32 * i));
-        run.scale = set_pair_scales(wide_scales, F32, first_set, second_set, 2 * blocks, 2 * b + c);
-        return run;
-    }
-};
-
 // int5 widened for a prompt (widen_int5): each code a byte, run c's inputs 8c + u, then its
 // 8c + 4 + u, and each group's scale and offset multiplied out in float32: int4's format, read as held.
 struct WideInt5Format : FiveBitSums<Int4Format> {
@@ -689,15 +625,12 @@ template <int MR, typename Tile> void over_sets(int64_t rows, int64_t n, int thr
     }, 2 * INT_NZ);
 }
 
-// Rows of x per tile for weights in format F: a prompt's int6 tiles take fewer (INT6_MR).
-template <typename F> constexpr int tile_rows() { return std::is_base_of_v<WideInt6Format, F> ? INT6_MR : INT_MR; }
-
 // y = x W^T for integer weights in format F, y of float type y_type.
 template <typename F>
 void integer_linear(const Activations& a, const F& format, const void* codes, void* y, int64_t rows, int64_t n,
                     int64_t k, int y_type, int threads) {
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        over_sets<tile_rows<F>()>(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
+        over_sets<INT_MR>(rows, n, threads, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, bool first) {
             integer_tile<R, NZ>(a, format, codes, static_cast<Y*>(y), n, k, m, pairs, first);
         });
     });
@@ -732,18 +665,19 @@ extern "C" void linear_panels(const void* x, const void* panels, void* y, int64_
 }
 
 extern "C" void quantize_activations(const void* x, int x_type, int8_t* xq, float* xd, int32_t* xsum, int64_t rows,
-                                     int64_t k, int threads) {
+                                     int64_t k, int64_t block, int threads) {
     const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     // vpackssdw/vpacksswb interleave the two 128-bit lanes; this puts the 32 bytes back in order.
     const __m256i lane_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    const int64_t blocks = rows * k / BLOCK;
+    const int64_t blocks = rows * k / block;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t block = 0; block < blocks; block++) {
-        __m256 part[4], amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            part[j] = load8(x, block * BLOCK + 8 * j, x_type);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part[j]));  // max drops a NaN: counted apart
-            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(part[j], part[j], _CMP_UNORD_Q));
+    for (int64_t i = 0; i < blocks; i++) {
+        const int64_t first = i * block;
+        __m256 amax = _mm256_setzero_ps(), unordered = _mm256_setzero_ps();
+        for (int64_t j = 0; j < block; j += 8) {
+            const __m256 part = load8(x, first + j, x_type);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, part));  // max drops a NaN: counted apart
+            unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(part, part, _CMP_UNORD_Q));
         }
         __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
         m = _mm_max_ps(m, _mm_movehl_ps(m, m));
@@ -753,14 +687,16 @@ extern "C" void quantize_activations(const void* x, int x_type, int8_t* xq, floa
         // scale, NaN, carries NaN to every output.
         const bool finite = _mm256_movemask_ps(unordered) == 0 && absmax <= FLT_MAX;
         const __m256 inverse = _mm256_set1_ps(finite && absmax > 0.0f ? 127.0f / absmax : 0.0f);
-        __m256i code[4];
-        for (int j = 0; j < 4; j++) code[j] = _mm256_cvtps_epi32(_mm256_mul_ps(part[j], inverse));  // nearest, ties to even
-        if (!finite)
-            for (int j = 0; j < 4; j++) code[j] = _mm256_setzero_si256();
-        xd[block] = finite ? absmax / 127.0f : NAN;
-        xsum[block] = hsum(_mm256_add_epi32(_mm256_add_epi32(code[0], code[1]), _mm256_add_epi32(code[2], code[3])));
-        const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + block * BLOCK), _mm256_permutevar8x32_epi32(bytes, lane_order));
+        xd[i] = finite ? absmax / 127.0f : NAN;
+        for (int64_t b = first; b < first + block; b += BLOCK) {
+            __m256i code[4];
+            for (int j = 0; j < 4; j++) code[j] = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, b + 8 * j, x_type), inverse));  // nearest, ties to even
+            if (!finite)
+                for (int j = 0; j < 4; j++) code[j] = _mm256_setzero_si256();
+            xsum[b / BLOCK] = hsum(_mm256_add_epi32(_mm256_add_epi32(code[0], code[1]), _mm256_add_epi32(code[2], code[3])));
+            const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(code[0], code[1]), _mm256_packs_epi32(code[2], code[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + b), _mm256_permutevar8x32_epi32(bytes, lane_order));
+        }
     }
 }
 
@@ -802,25 +738,6 @@ inline void store_pair(uint8_t* to, int64_t set_bytes, bool second, Codes16 code
     if (second) std::memcpy(to + set_bytes, bytes + 32, 32);
 }
 
-// Sets [from, from + count) of int6 weights widened into `codes` and `scales` (WideInt6Format's),
-// two at a time as Int6Format reads them.
-void widen_int6(const Int6Format& format, const uint8_t* int6, int64_t from, int64_t count, int64_t k, uint8_t* codes,
-                float* scales) {
-    const int64_t blocks = k / BLOCK, set_bytes = blocks * Int6Format::BLOCK_BYTES, wide_bytes = blocks * 256;
-    for (int64_t p = 0; p < count; p += 2) {
-        const int64_t first = from + p, second = std::min(first + 1, from + count - 1);
-        for (int64_t b = 0; b < blocks; b++)
-            for (int h = 0; h < 2; h++) {
-                const char* at = reinterpret_cast<const char*>(int6) + b * Int6Format::BLOCK_BYTES + Int6Format::RUN_BYTES * h;
-                const Int6Format::Run run = format.load(at + first * set_bytes, at + second * set_bytes, first, second, b, h);
-                for (int i = 0; i < 4; i++) store_pair(codes + p * wide_bytes + b * 256 + 128 * h + 32 * i, wide_bytes, p + 1 < count, run.q[i]);
-                float* to = scales + (p * 2 * blocks + 2 * b + h) * 8;
-                store8(to, run.scale.low());
-                if (p + 1 < count) store8(to + 2 * blocks * 8, run.scale.high());
-            }
-    }
-}
-
 // Sets [from, from + count) of int5 weights widened into `codes` and `floats` (WideInt5Format's:
 // each set's scales, then its offsets).
 void widen_int5(const FifthBit<FactoredInt4Format>& format, const uint8_t* int5, int64_t from, int64_t count, int64_t k,
@@ -844,7 +761,7 @@ void widen_int5(const FifthBit<FactoredInt4Format>& format, const uint8_t* int5,
     }
 }
 
-// A prompt's product for weights whose codes the tiles would unpack (int5, int6): each thread
+// A prompt's product for weights whose codes the tiles would unpack (int5, Q8_0's rows): each thread
 // widens its sets a few at a time into bytes and float32 scales (about WIDE_BYTES, which stay in
 // cache: widen(from, count, codes, floats)), and every row's tiles read those as int8's read
 // theirs (tile<R, NZ>(row, pairs, codes, floats, y of the sets)): the unpacking and the scales'
@@ -883,36 +800,11 @@ extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xs
     }
     const FifthBit<FactoredInt4Format> factored{{format, super_scales, super_offsets, k / 256, 8}};
     as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        widened<tile_rows<WideInt5Format>()>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+        widened<INT_MR>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
             widen_int5(factored, codes, from, sets, k, wide, floats);
         }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
             const WideInt5Format format{{floats, floats + groups * 8, F32, 2 * groups, 1}};  // each set's scales, then its offsets
             integer_tile<R, NZ>({xq, xd, xsum}, format, wide, y_sets, n, k, m, pairs, false);
-        });
-    });
-}
-
-extern "C" void linear_int6(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const int8_t* scales, const void* super_scales, int super_type, void* y, int64_t rows, int64_t n,
-                            int64_t k, int y_type, int threads) {
-    thread_local std::vector<int32_t> half_sums;
-    const int64_t blocks = k / BLOCK;
-    half_sums.resize(rows * blocks);
-    for (int64_t i = 0; i < rows * blocks; i++) {
-        int32_t sum = 0;
-        for (int j = 0; j < 16; j++) sum += xq[i * BLOCK + j];
-        half_sums[i] = sum;
-    }
-    const Int6Format format{scales, super_scales, half_sums.data(), xsum, blocks, super_type};
-    if (rows < FACTORED_ROWS) {
-        integer_linear({xq, xd, xsum}, format, codes, y, rows, n, k, y_type, threads);
-        return;
-    }
-    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        widened<tile_rows<WideInt6Format>()>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
-            widen_int6(format, codes, from, sets, k, wide, floats);
-        }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
-            integer_tile<R, NZ>({xq, xd, xsum}, WideInt6Format{format, floats}, wide, y_sets, n, k, m, pairs, false);
         });
     });
 }
@@ -1032,7 +924,7 @@ extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xs
             }, 1);
             return;
         }
-        widened<tile_rows<Int8Format>()>(out, rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
+        widened<INT_MR>(out, rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
             widen_q8_0(blocks, from, sets, k, wide, floats);
         }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
             integer_tile<R, NZ>(a, Int8Format{floats, F32, k / BLOCK}, wide, y_sets, n, k, m, pairs, false);
@@ -1045,15 +937,13 @@ extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xs
 extern "C" int vector_kernels_available() { return 0; }
 extern "C" void linear_dense(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_panels(const void*, const void*, void*, int64_t, int64_t, int64_t, int, int, int) {}
-extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int) {}
+extern "C" void quantize_activations(const void*, int, int8_t*, float*, int32_t*, int64_t, int64_t, int64_t, int) {}
 extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const int8_t*, const void*, void*, int64_t,
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
                             const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int5(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint8_t*, const uint8_t*,
                             const void*, const void*, int, void*, int64_t, int64_t, int64_t, int, int) {}
-extern "C" void linear_int6(const int8_t*, const float*, const int32_t*, const uint8_t*, const int8_t*, const void*, int,
-                            void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void linear_q8_0(const int8_t*, const float*, const int32_t*, const uint8_t*, void*, int64_t, int64_t, int64_t, int,
                             int) {}
 

@@ -1,5 +1,5 @@
-// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5, linear_int6 and linear_q8_0 over the kernels of
-// linear.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
+// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5, linear_q8_0 and linear_q6_k over
+// the kernels of linear.cpp and q6_k.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
 // tells the Python side whether this build has the vector kernels at all. Inference only (no
 // autograd): the Python side calls them without gradients and runs the layers' own code otherwise.
 
@@ -39,19 +39,19 @@ at::Tensor output_for(const at::Tensor& x, int64_t n, int64_t k) {
     return activation(sizes, x.options());
 }
 
-// x rounded to int8 in blocks of 32 (quantize_activations), in per-thread buffers.
+// x rounded to int8 in blocks of 32 or 256 (quantize_activations), in per-thread buffers.
 struct Activations {
     std::vector<int8_t> codes;
     std::vector<float> scales;
     std::vector<int32_t> sums;
 };
 
-const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k) {
-    TORCH_CHECK(k % 32 == 0, "llama_mini::linear: integer weights need a multiple of 32 inputs, not ", k);
+const Activations& quantized(const at::Tensor& x, int64_t rows, int64_t k, int64_t block) {
+    TORCH_CHECK(k % block == 0, "llama_mini::linear: integer weights need a multiple of ", block, " inputs, not ", k);
     thread_local Activations a;
-    a.codes.resize(rows * k), a.scales.resize(rows * k / 32), a.sums.resize(rows * k / 32);
+    a.codes.resize(rows * k), a.scales.resize(rows * k / block), a.sums.resize(rows * k / 32);
     quantize_activations(x.const_data_ptr(), float_type(x, "the input"), a.codes.data(), a.scales.data(), a.sums.data(), rows, k,
-                         threads_for_work(8 * rows * k));  // a few operations per input
+                         block, threads_for_work(8 * rows * k));  // a few operations per input
     return a;
 }
 
@@ -62,11 +62,11 @@ struct IntegerCall {
     const Activations& x;
 };
 
-IntegerCall integer_call(const at::Tensor& x, int64_t n, int64_t k) {
+IntegerCall integer_call(const at::Tensor& x, int64_t n, int64_t k, int64_t block = 32) {
     at::Tensor y = output_for(x, n, k);
     const at::Tensor xc = x.contiguous();
     const int64_t rows = rows_of(xc);
-    return {y, rows, quantized(xc, rows, k)};
+    return {y, rows, quantized(xc, rows, k, block)};
 }
 
 // A weight held in panels (n / 16, k, 16) (kernels.h's linear_panels).
@@ -170,24 +170,6 @@ at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return call.y;
 }
 
-at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& super_scales) {
-    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % (6 * 256) == 0,
-                "llama_mini::linear_int6: contiguous uint8 codes (rows / 8, 6 * inputs), inputs a multiple of 256");
-    const int64_t n = codes.size(0) * 8, k = codes.size(1) / 6;
-    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == codes.size(0) && scales.size(1) == k / 16 * 8 && scales.is_contiguous() &&
-                    scales.scalar_type() == at::kChar,
-                "llama_mini::linear_int6: int8 scales (rows / 8, inputs / 16 * 8), one per row and sub-block of 16 inputs");
-    TORCH_CHECK(super_scales.dim() == 2 && super_scales.size(0) == codes.size(0) && super_scales.size(1) == k / 256 * 8 &&
-                    super_scales.is_contiguous(),
-                "llama_mini::linear_int6: super_scales (rows / 8, inputs / 256 * 8), one per row and 256 inputs");
-    const int super_type = float_type(super_scales, "super_scales");
-    const IntegerCall call = integer_call(x, n, k);
-    ::linear_int6(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr<int8_t>(), super_scales.const_data_ptr(), super_type, call.y.mutable_data_ptr(), call.rows, n, k,
-                  float_type(call.y, "the input"), threads_for(call.rows, n, k));
-    return call.y;
-}
-
 at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks) {
     TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(0) % 8 == 0 &&
                     blocks.size(1) % 34 == 0,
@@ -196,6 +178,16 @@ at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks) {
     const IntegerCall call = integer_call(x, n, k);
     ::linear_q8_0(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), blocks.const_data_ptr<uint8_t>(),
                   call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"), threads_for(call.rows, n, k));
+    return call.y;
+}
+
+at::Tensor q6_k_op(const at::Tensor& x, const at::Tensor& blocks) {
+    TORCH_CHECK(blocks.dim() == 3 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(2) == 210,
+                "llama_mini::linear_q6_k: a GGUF file's Q6_K rows, contiguous uint8 (rows, inputs / 256, 210)");
+    const int64_t n = blocks.size(0), k = blocks.size(1) * 256;
+    const IntegerCall call = integer_call(x, n, k, 256);
+    ::linear_q6_k(call.x.codes.data(), call.x.scales.data(), blocks.const_data_ptr<uint8_t>(), call.y.mutable_data_ptr(), call.rows,
+                  n, k, float_type(call.y, "the input"), threads_for(call.rows, n, k));
     return call.y;
 }
 
@@ -210,14 +202,14 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? super_scales=None, "
           "Tensor? super_offsets=None) -> Tensor");
     m.def("linear_int5(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor super_scales, Tensor super_offsets) -> Tensor");
-    m.def("linear_int6(Tensor x, Tensor codes, Tensor scales, Tensor super_scales) -> Tensor");
     m.def("linear_q8_0(Tensor x, Tensor blocks) -> Tensor");
+    m.def("linear_q6_k(Tensor x, Tensor blocks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);
     m.impl("linear_int8", llama_mini::int8_op);
     m.impl("linear_int4", llama_mini::int4_op);
     m.impl("linear_int5", llama_mini::int5_op);
-    m.impl("linear_int6", llama_mini::int6_op);
     m.impl("linear_q8_0", llama_mini::q8_0_op);
+    m.impl("linear_q6_k", llama_mini::q6_k_op);
 }

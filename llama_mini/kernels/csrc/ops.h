@@ -17,8 +17,8 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets);
 at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
                    const at::Tensor& super_scales, const at::Tensor& super_offsets);
-at::Tensor int6_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& super_scales);
 at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor q6_k_op(const at::Tensor& x, const at::Tensor& blocks);
 at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b);
 void swiglu_in_place(at::Tensor& a, const at::Tensor& b);
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

@@ -267,7 +267,7 @@ inline Int8Run int8_run(Ints16 w) { return {_mm512_xor_si512(w.v, _mm512_set1_ep
 inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
     return {_mm512_dpbusd_epi32(acc.v, w.unsigned_w, _mm512_set1_epi32(x4))};
 }
-// int4, int5 and int6: codes 0..15, 0..31 or 0..63 (unsigned). u4_dot2: each lane gains its row's
+// int4 and int5: codes 0..15 or 0..31 (unsigned). u4_dot2: each lane gains its row's
 // four codes of `a` times the activations xa, and of `b` times xb. vpdpbusd sums them in int32
 // at once, so the int16 sums of U4Sums (below, without VNNI) are int32 sums here.
 using Codes16 = __m512i;
@@ -283,19 +283,6 @@ inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     const __m512i mask = _mm512_set1_epi8(0x0F);
     low = _mm512_and_si512(w.v, mask);
     high = _mm512_and_si512(_mm512_srli_epi16(w.v, 4), mask);
-}
-// Shifts each byte's bits by S (left; right where negative) and keeps bits 4-5: where int6's
-// high two bits go.
-template <int S> inline __m512i high_two_bits(__m512i h) {
-    const __m512i shifted = S > 0 ? _mm512_slli_epi16(h, S) : S < 0 ? _mm512_srli_epi16(h, -S) : h;
-    return _mm512_and_si512(shifted, _mm512_set1_epi8(0x30));
-}
-// The codes 0..63 of a run of int6's low nibbles (w) with their high two bits, bits SHIFT ..
-// SHIFT + 3 of each byte of high (kernels.h): inputs u and 4 + u of each row.
-template <int SHIFT> inline void six_bit_codes(Ints16 w, Ints16 high, Codes16& low, Codes16& upper) {
-    nibbles(w, low, upper);
-    low = _mm512_or_si512(low, high_two_bits<4 - SHIFT>(high.v));
-    upper = _mm512_or_si512(upper, high_two_bits<2 - SHIFT>(high.v));
 }
 // int5: the fifth bits of run c's codes (bits 2c and 2c + 1 of each byte of `bits`) added to them.
 inline void fifth_bits(Ints16 bits, int c, Codes16& low, Codes16& upper) {
@@ -353,16 +340,6 @@ inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     low = {_mm256_and_si256(w.lo, mask), _mm256_and_si256(w.hi, mask)};
     high = {_mm256_and_si256(_mm256_srli_epi16(w.lo, 4), mask), _mm256_and_si256(_mm256_srli_epi16(w.hi, 4), mask)};
 }
-template <int S> inline __m256i high_two_bits(__m256i h) {
-    const __m256i shifted = S > 0 ? _mm256_slli_epi16(h, S) : S < 0 ? _mm256_srli_epi16(h, -S) : h;
-    return _mm256_and_si256(shifted, _mm256_set1_epi8(0x30));
-}
-template <int SHIFT> inline void six_bit_codes(Ints16 w, Ints16 high, Codes16& low, Codes16& upper) {
-    nibbles(w, low, upper);
-    low = {_mm256_or_si256(low.lo, high_two_bits<4 - SHIFT>(high.lo)), _mm256_or_si256(low.hi, high_two_bits<4 - SHIFT>(high.hi))};
-    upper = {_mm256_or_si256(upper.lo, high_two_bits<2 - SHIFT>(high.lo)),
-             _mm256_or_si256(upper.hi, high_two_bits<2 - SHIFT>(high.hi))};
-}
 inline void store_codes(uint8_t* p, Codes16 codes) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes.lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), codes.hi);
@@ -411,15 +388,6 @@ inline Floats16 set_pair_factors(const void* factors, int64_t first, int64_t sec
     const auto eight = [&](int64_t set) {
         const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (set * groups + g) * 8));
         return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
-    };
-    return Floats16::join(eight(first), eight(second));
-}
-
-// The int8 factors of sets `first` and `second` for group g, as floats: (sets, groups, 8).
-inline Floats16 set_pair_int8_floats(const int8_t* factors, int64_t first, int64_t second, int64_t groups, int64_t g) {
-    const auto eight = [&](int64_t set) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(factors + (set * groups + g) * 8));
-        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
     };
     return Floats16::join(eight(first), eight(second));
 }
