@@ -246,9 +246,10 @@ template <int TR, typename Tile> void in_tiles(int64_t begin, int64_t end, const
 
 extern "C" void linear_q6_k(const int8_t* xq, const float* xd, const uint8_t* blocks, void* y, int64_t rows, int64_t n,
                             int64_t k, int y_type, int threads) {
-    thread_local std::vector<int16_t> sums;  // each 16 codes' sum: at most 16 x 128
-    sums.resize(rows * k / 16);
-    for (int64_t j = 0; j < rows * k / 16; j++) {
+    thread_local std::vector<int16_t> sums;  // each 16 codes' sum (at most 16 x 128), for the rows read in place
+    const bool in_place = rows < WIDENED_ROWS || n % 8;  // a prompt's widened sets do not read them
+    sums.resize(in_place ? rows * k / 16 : 0);
+    for (int64_t j = 0; j < (in_place ? rows * k / 16 : 0); j++) {
         int32_t sum = 0;
         for (int t = 0; t < 16; t++) sum += xq[16 * j + t];
         sums[j] = static_cast<int16_t>(sum);
