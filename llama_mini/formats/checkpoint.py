@@ -117,7 +117,7 @@ def load_checkpoint(path, device=None, dtype=None, max_seq_len=None, tokenizer_p
                     keep_blocks: bool = True, converter=None) -> Transformer:
     """Load a checkpoint folder of any supported format, or a GGUF or llama2.c file. dtype=None
     keeps the stored dtype (one dtype for all: the embedding's, where the file mixes them). A
-    GGUF file's quantized tensors keep the file's precision as int8, int4, int5 and Q6_K layers
+    GGUF file's quantized tensors keep the file's precision as int8, int4, Q5_K and Q6_K layers
     (gguf.load_gguf_blocks) unless dtype, quantize or keep_blocks=False asks for floats: they
     are then dequantized, to float32 where dtype is None. converter converts their blocks
     (quant.gguf_blocks.layer_from_blocks; kernels.gguf_converter(), where the kernels run).

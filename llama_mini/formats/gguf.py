@@ -37,9 +37,9 @@ from ..model import ModelArgs, Transformer, rope_frequencies
 from ..quant.gguf_blocks import TYPES, held_bytes, layer_from_blocks
 from ..quant import layer_method
 from ..quant.held import layer_record
+from ..quant.k_quants import KQuantLinear
 from ..quant.layers import QuantizedEmbedding
 from ..quant.mapped_q8_0 import MappedQ8_0Linear
-from ..quant.q6_k import Q6_KLinear
 from ..tokenizers import open_tokenizer
 from ..tokenizers.gguf_vocab import GgufLlama3, GgufSentencePiece, copy_vocabulary
 from ..tokenizers.llama3 import TiktokenTokenizer
@@ -227,7 +227,7 @@ def read_gguf(path: Path, dtype=None):
 def load_gguf_blocks(path: Path, converter=None):
     """The model of a GGUF file at the file's precision, or None where it holds no quantized
     tensor (read_gguf maps its float tensors as they are). Each quantized matrix becomes an
-    integer layer (int8, int4, int5, Q6_K) as it is read (quant/gguf_blocks.py), the token embedding a
+    integer layer (int8, int4, Q5_K, Q6_K) as it is read (quant/gguf_blocks.py), the token embedding a
     QuantizedEmbedding over its rows (the head's, when tied), and the float tensors (the norms)
     float32. No float copy of a quantized matrix is ever made; activations are float32.
     converter: layer_from_blocks', the CPU kernels' where they run."""
@@ -252,7 +252,7 @@ def load_gguf_blocks(path: Path, converter=None):
             layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape, converter)
         except ValueError as e:  # a block no layer holds exactly
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
-        if isinstance(layer, (MappedQ8_0Linear, Q6_KLinear)):  # the file's pages are the layer's
+        if isinstance(layer, (MappedQ8_0Linear, KQuantLinear)):  # the file's pages are the layer's
             file.map_pages(theirs)
         else:  # a copy of its own: the file's pages are not read again
             file.release(theirs)

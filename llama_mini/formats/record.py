@@ -21,8 +21,8 @@ never inspected to guess which layout they are in.
   for; they are read as today's `offsets`, the value code 0 stands for (zero - 8 scale, computed
   in float32 and rounded to the scales' dtype once).
 - Format 3, from 0.3.0: read. Its quantization record may instead name each matrix's layer, as a
-  GGUF file's blocks are held (quant/held.py). A record naming an "int6" layer (Q6_K converted,
-  before Q6_K was held as the file's blocks) is refused: convert the GGUF file again.
+  GGUF file's blocks are held (quant/held.py). A record naming an "int6" or "int5" layer (Q6_K or
+  Q5_K converted, before they were held as the file's blocks) is refused: convert the GGUF file again.
 - A newer format: refused (upgrade llama_mini).
 """
 

@@ -19,7 +19,7 @@ from ..quant.layers import Int4Linear, Int8Linear
 from .fused_rmsnorm import FusedRMSNorm, cpu_kernel
 from .fused_rope import FusedAttention
 from .fused_swiglu import FusedFeedForward
-from .linear import (KernelInt4Linear, KernelInt5Linear, KernelInt8Linear, KernelLinear, KernelMappedQ8_0Linear, KernelQ6_KLinear,
+from .linear import (KernelInt4Linear, KernelInt8Linear, KernelLinear, KernelMappedQ8_0Linear, KernelQ5_KLinear, KernelQ6_KLinear,
                      kernel_operands)
 from .operators import FLOATS, operators
 
@@ -51,7 +51,7 @@ LINEARS = ("attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed
 # layer of it), and those of its linear layers once on the kernels.
 PARTS = {"attention": (Attention, FusedAttention), "feed_forward": (FeedForward, FusedFeedForward),
          "attention_norm": (RMSNorm, FusedRMSNorm), "ffn_norm": (RMSNorm, FusedRMSNorm)}
-KERNEL_LINEARS = (KernelLinear, KernelInt8Linear, KernelInt4Linear, KernelInt5Linear, KernelMappedQ8_0Linear, KernelQ6_KLinear)
+KERNEL_LINEARS = (KernelLinear, KernelInt8Linear, KernelInt4Linear, KernelMappedQ8_0Linear, KernelQ5_KLinear, KernelQ6_KLinear)
 
 
 def block_refusal(block, dtype) -> Optional[str]:

@@ -38,7 +38,7 @@ from ..support.files import atomic_write
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("rms_norm.cpp", "rms_norm_op.cpp", "linear.cpp", "linear_op.cpp", "attention.cpp",
                                      "attention_op.cpp", "swiglu.cpp", "swiglu_op.cpp", "rope.cpp", "rope_op.cpp", "block_op.cpp",
-                                     "subnormals_op.cpp", "gguf_blocks_op.cpp", "activations.cpp", "q6_k.cpp")]
+                                     "subnormals_op.cpp", "gguf_blocks_op.cpp", "activations.cpp", "k_quants.cpp")]
 HEADERS = [CSRC / name for name in ("bf16.h", "rms_norm.h", "kernels.h", "simd.h", "ops.h")]
 LIBRARY = "cpu_kernels"
 CXX_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC"]

@@ -15,12 +15,11 @@ from ..quant.gguf_blocks import EXACT_INT4
 from .fingerprints import changed, notice_changed
 from .operators import operators
 
-COMPUTES = tuple(f"quant.gguf_blocks:{name}" for name in ("_q5_0", "_q4_0", "_q4_1", "_q4_k", "_q5_k",
-                                                           "_scales_and_mins", "_nibbles", "_half", "_blocks")) + \
-    tuple(f"quant.layout:{name}" for name in ("pack_int8", "pack_int4", "pack_int5", "_int4_runs", "as_words",
-                                              "_bytes", "interleave_rows")) + \
-    ("quant.layers:Int8Linear.store_rows", "quant.layers:Int4Linear.store_rows", "quant.k_quants:KQuantLinear.store_rows")
-KINDS = (T.Q5_0, *EXACT_INT4, T.Q5_K)  # the types whose blocks a layer holds as they are, but Q8_0 and Q6_K (read where mapped): csrc's
+COMPUTES = tuple(f"quant.gguf_blocks:{name}" for name in ("_q5_0", "_q4_0", "_q4_1", "_q4_k", "_blocks")) + \
+    tuple(f"quant.k_quants:{name}" for name in ("scales_and_mins", "nibbles", "half")) + \
+    tuple(f"quant.layout:{name}" for name in ("pack_int8", "pack_int4", "_int4_runs", "as_words", "_bytes", "interleave_rows")) + \
+    ("quant.layers:Int8Linear.store_rows", "quant.layers:Int4Linear.store_rows")
+KINDS = (T.Q5_0, *EXACT_INT4)  # the types converted into a layer (Q8_0, Q5_K and Q6_K are read where mapped): csrc's
 
 
 def gguf_converter():

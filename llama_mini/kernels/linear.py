@@ -6,7 +6,7 @@ rows, and its time is arithmetic. torch's CPU kernels read the weights slowly at
 int8 and int4 kernels convert every weight to float, and its bfloat16 products are slow on CPUs
 without bf16 arithmetic. The linear operators compute a tile of rows against a few weight rows
 at a time, for any number of rows, each output summed in one order whatever the rows beside it;
-integer weights meet the activations rounded to int8 in blocks of 32 (256 for Q6_K; quant/layers.py's
+integer weights meet the activations rounded to int8 in blocks of 32 (256 for Q5_K and Q6_K; quant/layers.py's
 definition, as llama.cpp does) as integers. Float weights (float32, bfloat16, float16) are held
 in panels of sixteen outputs, which prompts read at BLAS speed or faster (KernelLinear.hold_panels).
 
@@ -19,10 +19,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..quant.k_quants import Int5Linear
+from ..quant.k_quants import KQuantLinear, Q5_KLinear, Q6_KLinear
 from ..quant.layers import Int4Linear, Int8Linear
 from ..quant.mapped_q8_0 import MappedQ8_0Linear
-from ..quant.q6_k import Q6_KLinear
 from ..support.memory import release_file_pages
 from .operators import FLOATS, PANEL, operators, to_panels
 
@@ -131,17 +130,6 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
         return ops.linear_int4(x, self.weight, self.scales, None if self.symmetric else self.offsets)
 
 
-class KernelInt5Linear(IntegerKernel, Int5Linear):
-    """Int5Linear on the integer kernel."""
-
-    layer = "int5 kernel"
-    computes = DEFINITION + tuple(f"quant.k_quants:Int5Linear.{name}" for name in ("forward", "dequantize", "codes", "weights",
-                                                                                  "group_scales_and_offsets"))
-
-    def kernel(self, ops, x):
-        return ops.linear_int5(x, self.weight, self.scales, self.offsets, self.super_scales, self.super_offsets)
-
-
 class KernelMappedQ8_0Linear(IntegerKernel, MappedQ8_0Linear):
     """MappedQ8_0Linear on the Q8_0 kernel, which reads the file's rows where they are mapped."""
 
@@ -154,27 +142,38 @@ class KernelMappedQ8_0Linear(IntegerKernel, MappedQ8_0Linear):
         return ops.linear_q8_0(x, self.blocks)
 
 
-class KernelQ6_KLinear(Q6_KLinear):
-    """Q6_KLinear on the Q6_K kernel, which reads the file's blocks where they are mapped (its
-    factors are in the blocks: only x's dtype decides whether the kernel takes it)."""
-
-    layer = "Q6_K kernel"
-    computes = DEFINITION + tuple(f"quant.q6_k:{name}" for name in ("Q6_KLinear.forward", "Q6_KLinear.dequantize", "Q6_KLinear.weights",
-                                                                     "q6_k_codes_and_scales"))
+class KQuantKernel:
+    """A K-quant layer on the K-quant kernel, which reads the file's blocks where they are mapped
+    (their factors are in the blocks: only x's dtype decides whether the kernel takes it)."""
 
     def forward(self, x):
         ops = operators_for(x, x) if kernel_operands(self) is not None else None
-        return super().forward(x) if ops is None else ops.linear_q6_k(x, self.blocks)
+        return super().forward(x) if ops is None else ops.linear_k_quant(x, self.blocks)
+
+
+K_QUANT_DEFINITION = DEFINITION + tuple(f"quant.k_quants:{name}" for name in ("KQuantLinear.forward", "KQuantLinear.dequantize", "half",
+                                                                               "nibbles"))
+
+
+class KernelQ5_KLinear(KQuantKernel, Q5_KLinear):
+    layer = "Q5_K kernel"
+    computes = K_QUANT_DEFINITION + tuple(f"quant.k_quants:{name}" for name in ("Q5_KLinear.weights", "q5_k_codes_and_factors",
+                                                                                 "scales_and_mins"))
+
+
+class KernelQ6_KLinear(KQuantKernel, Q6_KLinear):
+    layer = "Q6_K kernel"
+    computes = K_QUANT_DEFINITION + tuple(f"quant.k_quants:{name}" for name in ("Q6_KLinear.weights", "q6_k_codes_and_scales"))
 
 
 # The kernel class each linear layer's class becomes under use_cpu_kernels.
 LINEAR_KERNELS = {nn.Linear: KernelLinear, Int8Linear: KernelInt8Linear, Int4Linear: KernelInt4Linear,
-                  Int5Linear: KernelInt5Linear, MappedQ8_0Linear: KernelMappedQ8_0Linear, Q6_KLinear: KernelQ6_KLinear}
+                  MappedQ8_0Linear: KernelMappedQ8_0Linear, Q5_KLinear: KernelQ5_KLinear, Q6_KLinear: KernelQ6_KLinear}
 
 
 def kernel_operands(linear):
     """(weight, scales, offsets, super_scales, super_offsets) of a linear layer as the kernels read
-    them (None for those it has not; a file's Q8_0 rows and Q6_K blocks are a uint8 weight alone), or None where they do not take it: other shapes, biases,
+    them (None for those it has not; a file's Q8_0 rows and K-quant blocks are a uint8 weight alone), or None where they do not take it: other shapes, biases,
     dtypes, or tensors not laid out in one piece."""
     if isinstance(linear, MappedQ8_0Linear):
         operands = (linear.blocks, None, None, None, None)
@@ -184,9 +183,7 @@ def kernel_operands(linear):
         supers = (linear.super_scales, linear.super_offsets) if linear.super_group_size else (None, None)
         offsets = None if linear.symmetric else linear.offsets
         operands = (linear.weight, linear.scales, offsets, *supers) if linear.rows_of_8 else None
-    elif isinstance(linear, Int5Linear):
-        operands = (linear.weight, linear.scales, linear.offsets, linear.super_scales, linear.super_offsets)
-    elif isinstance(linear, Q6_KLinear):
+    elif isinstance(linear, KQuantLinear):
         operands = (linear.blocks, None, None, None, None)
     elif isinstance(linear, nn.Linear) and linear.bias is None and linear.weight.dtype in FLOATS:
         operands = (linear.weight, None, None, None, None)

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from ..quant.layers import quantized_activations
-from ..quant.layout import interleave_rows, pack_int4, pack_int5, pack_int8
-from ..quant.q6_k import Q6_KLinear
+from ..quant.k_quants import Q5_KLinear, Q6_KLinear
+from ..quant.layout import interleave_rows, pack_int4, pack_int8
 from . import build
 from .fingerprints import changed, notice_changed
 
@@ -118,15 +118,12 @@ def _self_check(ops) -> None:
             factored = (nibbles.double().unflatten(-1, (10, 32)) * scale_factors[..., None]
                         + offset_factors[..., None]).flatten(-2)
             halves = (torch.rand(24, 10, generator=g) + 0.5).half()  # 16-bit float scales, as GGUF's Q8_0 holds them
-            x6 = torch.randn(20, 512, generator=g).to(dtype)  # int5, Q6_K: super-blocks of 256 inputs; a prompt's rows, and fewer
+            x6 = torch.randn(20, 512, generator=g).to(dtype)  # Q5_K, Q6_K: super-blocks of 256 inputs; a prompt's rows, and fewer
             q6_k = torch.randint(0, 256, (28, 2, 210), generator=g, dtype=torch.uint8)  # three sets of eight rows, and four
             q6_k[..., 208:] = (torch.rand(28, 2, 1, generator=g) / 1024).half().view(torch.uint8)
-            w6 = Q6_KLinear(q6_k, 512).dequantize().double()
-            codes5 = torch.randint(0, 32, (24, 512), generator=g, dtype=torch.uint8)  # int5: int4's factored form, a fifth bit
-            factors5, supers5 = torch.randint(0, 64, (2, 24, 16), generator=g, dtype=torch.uint8), torch.randn(2, 24, 2, generator=g) / 64
-            scales5, offsets5 = supers5.double().repeat_interleave(8, dim=-1) * factors5.double()
-            int5 = (codes5.double().unflatten(-1, (16, 32)) * scales5[..., None] + offsets5[..., None]).flatten(-2)
-            int5_operands = (pack_int5(codes5), *map(interleave_rows, (*factors5, *supers5)))
+            q5_k = torch.randint(0, 256, (28, 2, 176), generator=g, dtype=torch.uint8)
+            q5_k[..., :4] = (torch.rand(28, 2, 2, generator=g) / 1024).half().view(torch.uint8)  # d and dmin
+            k_quants = [(blocks, layer(blocks, 512).dequantize().double()) for blocks, layer in ((q6_k, Q6_KLinear), (q5_k, Q5_KLinear))]
             codes8, halves8 = torch.randint(-128, 128, (24, 512), generator=g, dtype=torch.int8), (torch.rand(24, 16, generator=g) + 0.5).half()
             q8_0 = q8_0_rows(codes8, halves8)
             int8_of_q8_0 = codes8.double() * halves8.double().repeat_interleave(32, dim=1)
@@ -138,10 +135,8 @@ def _self_check(ops) -> None:
                 (ops.linear_int4(x, pack_int4(nibbles), *map(interleave_rows, (*factors, *supers))), xq @ factored.t()),
                 (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), None),  # symmetric: offsets -8 scales
                  xq @ ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None]).flatten(-2).t()),
-                (ops.linear_q6_k(x6, q6_k), quantized_activations(x6, 256).double() @ w6.t()),
-                (ops.linear_q6_k(x6[:3], q6_k), quantized_activations(x6[:3], 256).double() @ w6.t()),
-                (ops.linear_int5(x6, *int5_operands), quantized_activations(x6).double() @ int5.t()),
-                (ops.linear_int5(x6[:3], *int5_operands), quantized_activations(x6[:3]).double() @ int5.t()),
+                *((ops.linear_k_quant(rows, blocks), quantized_activations(rows, 256).double() @ w.t())
+                  for blocks, w in k_quants for rows in (x6, x6[:3])),
                 (ops.linear_q8_0(x6, q8_0), quantized_activations(x6).double() @ int8_of_q8_0.t()),
                 (ops.linear_q8_0(x6[:3], q8_0), quantized_activations(x6[:3]).double() @ int8_of_q8_0.t()),
             ]

@@ -21,13 +21,12 @@ from torch import nn
 from ..support.device import fastest_time
 from ..support.memory import return_freed_memory
 from .held import empty_held_model, is_layer_record
-from .k_quants import Int5Linear
+from .k_quants import KQuantLinear
 from .layers import DEFAULT_GROUP_SIZE, INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedEmbedding
 from .mapped_q8_0 import MappedQ8_0Linear
-from .q6_k import Q6_KLinear
 
 QUANTIZATIONS = ("int8", "int4")
-INTEGER_LAYERS = (Int8Linear, Int4Linear, Int5Linear, Q6_KLinear)
+INTEGER_LAYERS = (Int8Linear, Int4Linear, KQuantLinear)
 
 
 def quantize(model: nn.Module, method: str, group_size: int = DEFAULT_GROUP_SIZE, weights: Optional[dict] = None,
@@ -130,7 +129,7 @@ def quantized_notice(model: nn.Module, flag: Optional[str] = "--quantize", compi
     saves = f"{flag} {method} saves memory, not time" if flag else \
         f"the file's {method} blocks save memory, not time (--dtype float32 spends the memory instead)"
     isa = torch.backends.cpu.get_cpu_capability()
-    one_row = isinstance(layer, (Int8Linear, Int4Linear))  # compiled, one pass over the codes; int5 and Q6_K dequantize
+    one_row = isinstance(layer, (Int8Linear, Int4Linear))  # compiled, one pass over the codes; Q5_K and Q6_K dequantize
     fast_compiled = one_row and (layer.scales.device.type != "cpu" or isa in FAST_COMPILED_CPU_CODE)
     if compiled:
         if fast_compiled:
@@ -162,9 +161,10 @@ def parameter_count(model: nn.Module) -> int:
 
 
 def layer_method(layer: nn.Module) -> str:
-    """"int8", "int4", "int5" or "Q6_K": what an integer layer holds."""
-    return next(name for name, kind in (("int8", Int8Linear), ("int4", Int4Linear), ("int5", Int5Linear), ("Q6_K", Q6_KLinear))
-                if isinstance(layer, kind))
+    """"int8", "int4", "Q5_K" or "Q6_K": what an integer layer holds."""
+    if isinstance(layer, KQuantLinear):
+        return layer.KIND
+    return "int8" if isinstance(layer, Int8Linear) else "int4"
 
 
 def check_method(method: str) -> None:

@@ -2,7 +2,7 @@
 empty layers that record builds to load them into.
 
 A GGUF file is held at its own precision as layers of several kinds at once (Q8_0 as int8 with
-float16 scales, Q4_K as factored int4, Q6_K as its own blocks, and so on, gguf_blocks.py), so one method
+float16 scales, Q4_K as factored int4, Q5_K and Q6_K as their own blocks, and so on, gguf_blocks.py), so one method
 and group size cannot describe it. Its checkpoint's record names the layer each matrix is held
 in, and the few numbers that fix its buffers' shapes and dtypes:
 
@@ -15,19 +15,19 @@ Matrices it does not name are float, as the file held them.
 import torch
 from torch import nn
 
-from .k_quants import Int5Linear
+from .k_quants import KQuantLinear, Q5_KLinear, Q6_KLinear
 from .layers import INT4_GROUP_SIZES, Int4Linear, Int8Linear, QuantizedEmbedding
-from .q6_k import Q6_KLinear
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 SUPER_GROUP_SIZES = (0, 256)  # none, or llama.cpp's K-quants'
 EMBEDDING = "tok_embeddings"
+K_QUANTS = {"q5_k": Q5_KLinear, "q6_k": Q6_KLinear}  # held as the file's blocks
 
 
 def layer_record(layer: nn.Module) -> dict:
     """What the record says of one integer layer."""
-    if isinstance(layer, (Int5Linear, Q6_KLinear)):
-        return {"layer": "int5" if isinstance(layer, Int5Linear) else "q6_k"}
+    if isinstance(layer, KQuantLinear):
+        return {"layer": layer.KIND.lower()}
     floats = layer.super_scales if getattr(layer, "super_group_size", 0) else layer.scales
     record = {"layer": "int8" if isinstance(layer, Int8Linear) else "int4", "dtype": str(floats.dtype).removeprefix("torch.")}
     if isinstance(layer, Int4Linear):
@@ -40,7 +40,7 @@ def is_layer_record(record) -> bool:
     if not isinstance(record, dict):
         return False
     kind = record.get("layer")
-    if kind in ("int5", "q6_k"):
+    if kind in K_QUANTS:
         return record.keys() == {"layer"}
     dtype_known = isinstance(record.get("dtype"), str) and record["dtype"] in DTYPES
     if kind == "int8":
@@ -59,9 +59,7 @@ def empty_layer(record: dict, in_features: int, out_features: int) -> nn.Module:
     if kind == "int4":
         return Int4Linear(in_features, out_features, record["group_size"], DTYPES[record["dtype"]],
                           super_group_size=record["super_group_size"], symmetric=record["symmetric"])
-    if kind == "int5":
-        return Int5Linear(in_features, out_features)
-    return Q6_KLinear.empty(in_features, out_features)
+    return K_QUANTS[kind].empty(in_features, out_features)
 
 
 def empty_held_model(model: nn.Module, layers: dict) -> nn.Module:

@@ -24,8 +24,8 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float factor per super-group of inputs
   times a uint8 per group, 4.63 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
-The int5 layer of GGUF's Q5_K (k_quants.py) computes the same function; the Q6_K layer (q6_k.py)
-the same with the activations in blocks of 256, as llama.cpp computes Q6_K.
+The layers of GGUF's Q5_K and Q6_K blocks (k_quants.py) compute the same function with the
+activations in blocks of 256, as llama.cpp computes its K-quants.
 
 Codes, scales and offsets are held in the layout of layout.py where the shape allows it: rows in
 sets of eight, as the kernels read them and checkpoints store them. Off the kernels a layer
@@ -53,8 +53,8 @@ CODES_AS_WORDS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 def quantized_activations(x: torch.Tensor, block: int = BLOCK) -> torch.Tensor:
-    """x in float32 as the integer layers see it: cut into blocks of `block` (32; 256 for Q6_K,
-    q6_k.py) along the last axis (the last block shorter where the features are not a multiple
+    """x in float32 as the integer layers see it: cut into blocks of `block` (32; 256 for Q5_K and Q6_K,
+    k_quants.py) along the last axis (the last block shorter where the features are not a multiple
     of it), each block rounded to int8 with the scale absmax / 127 (float32 arithmetic, ties to even)."""
     features = x.shape[-1]
     padded = F.pad(x.float(), (0, -features % block))  # zeros change no block's absmax

@@ -1,12 +1,10 @@
-"""How int8, int4 and int5 weights are laid out, in memory and in a quantized checkpoint alike.
+"""How int8 and int4 weights are laid out, in memory and in a quantized checkpoint alike.
 
 Rows come in sets of eight, so that one load of the CPU kernels (kernels/csrc/kernels.h) feeds
 eight rows. int8: for each set, runs of 32 bytes in input order, bytes 4j..4j+3 of run c holding
 inputs 4c..4c+3 of row j. int4: for each set and block of 32 inputs, 128 bytes; in run c (32
 bytes) of a block, bytes 4j..4j+3 are row j's, byte 4j + u holding input 8c + u in its low nibble
-and 8c + 4 + u in its high nibble. int5
-(llama.cpp's Q5_K): for each set and block, int4's 128 bytes of low nibbles, then 32 bytes of
-fifth bits, byte 4j + u holding those of run c's inputs u and 4 + u in bits 2c and 2c + 1. The scales (int8's per block of 32 inputs, int4's per group)
+and 8c + 4 + u in its high nibble. The scales (int8's per block of 32 inputs, int4's per group)
 and int4's offsets likewise hold the eight rows of a set side by side. Loading a checkpoint is
 then a plain read.
 
@@ -76,31 +74,6 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     runs = packed.contiguous().view(torch.int32).view(sets, k // BLOCK, 4, ROW_SET).permute(0, 3, 1, 2)  # set, row, block, run
     low, high = runs & 0x0F0F0F0F, (runs >> 4) & 0x0F0F0F0F
     return torch.stack((low, high), dim=-1).view(torch.uint8).view(sets * ROW_SET, k)
-
-
-def pack_int5(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes 0..31 (n, k), n % 8 == 0 and k % 32 == 0 -> the layout's bytes (n / 8, 5 k)."""
-    n, k = codes.shape
-    words = as_words(codes)
-    low = _int4_runs(words & 0x0F0F0F0F, n, k).reshape(n // ROW_SET, k // BLOCK, 4 * ROW_SET)
-    fifth = ((words >> 4) & 0x01010101).view(n // ROW_SET, ROW_SET, k // BLOCK, 8)  # set, row, block, (run, nibble)
-    bits = fifth[..., 0]
-    for shift in range(1, 8):  # run c's nibble h to bit 2c + h: disjoint bits
-        bits = bits | (fifth[..., shift] << shift)
-    return _bytes(torch.cat((low, bits.transpose(1, 2)), -1), n // ROW_SET, 5 * k)
-
-
-def unpack_int5(packed: torch.Tensor) -> torch.Tensor:
-    """pack_int5's inverse: (n / 8, 5 k) bytes -> codes (n, k)."""
-    sets, k = packed.shape[0], packed.shape[1] // 5
-    blocks = packed.view(sets, k // BLOCK, 160)
-    low = unpack_int4(blocks[..., :128].reshape(sets, 4 * k))
-    bits = blocks[..., 128:].reshape(sets, k // BLOCK, ROW_SET, 1, 1, 4)  # set, block, row, run, nibble, u
-    fifth = ((bits >> _FIFTH_BIT_SHIFTS) & 1).permute(0, 2, 1, 3, 4, 5).reshape(sets * ROW_SET, k)
-    return low | (fifth << 4)
-
-
-_FIFTH_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).view(4, 2, 1)  # run, nibble, (u): bit 2 run + nibble
 
 
 def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:

@@ -16,13 +16,12 @@ from llama_mini import ModelArgs, Transformer, load_checkpoint, save_checkpoint
 from llama_mini.formats.names import from_format
 from llama_mini.kernels import on_kernels, use_cpu_kernels, use_fused_rmsnorm
 from llama_mini.quant.gguf_blocks import held_bytes, layer_from_blocks
-from llama_mini.quant.k_quants import Int5Linear
+from llama_mini.quant.k_quants import Q5_KLinear, Q6_KLinear, q5_k_codes_and_factors, q6_k_codes_and_scales
 from llama_mini.quant.layers import Int4Linear, Int8Linear, QuantizedEmbedding
 from llama_mini.quant.mapped_q8_0 import MappedQ8_0Linear
-from llama_mini.quant.q6_k import Q6_KLinear, q6_k_codes_and_scales
 
 EXACT = {T.Q8_0: Int8Linear, T.Q5_0: Int8Linear, T.Q4_0: Int4Linear, T.Q4_1: Int4Linear, T.Q4_K: Int4Linear,
-         T.Q5_K: Int5Linear, T.Q6_K: Q6_KLinear}
+         T.Q5_K: Q5_KLinear, T.Q6_K: Q6_KLinear}
 REQUANTIZED = (T.Q5_1, T.Q2_K, T.Q3_K)
 SHAPE = (48, 512)
 
@@ -54,20 +53,24 @@ def test_exact_types_carry_the_files_weights_value_for_value(kind):
     layer = layer_from_blocks(kind, blocks, SHAPE)
     expected = files_weights(kind, blocks, SHAPE)
     assert type(layer) is EXACT[kind]
-    if kind in (T.Q4_K, T.Q5_K):  # factored as the file holds them: a 6-bit integer per group, its float16 per super-block
+    if kind == T.Q4_K:  # factored as the file holds them: a 6-bit integer per group, its float16 per super-block
         assert layer.super_group_size == 256 and layer.super_scales.dtype == layer.super_offsets.dtype == torch.float16
         assert layer.scales.dtype == torch.uint8 and layer.scales.max() < 64 and layer.offsets.max() < 64
     elif kind == T.Q6_K:  # the file's bytes themselves, not a copy: an int8 per sub-block of 16, its float16 per super-block
         assert layer.blocks.data_ptr() == blocks.ctypes.data
         assert q6_k_codes_and_scales(layer.blocks)[1].min() == -128 and q6_k_codes_and_scales(layer.blocks)[1].max() == 127
+    elif kind == T.Q5_K:  # the file's bytes themselves: 6-bit sc and m per sub-block of 32, every value of them
+        assert layer.blocks.data_ptr() == blocks.ctypes.data
+        assert all(len(torch.unique(f)) == 64 for f in q5_k_codes_and_factors(layer.blocks)[1:3])
     else:  # the file's own 16-bit floats
         assert layer.scales.dtype == torch.float16
     assert expected.abs().amax() > 0 and torch.equal(layer.dequantize(torch.float32), expected)
     ids = torch.tensor([47, 0, 9, 9, 30])  # looking tokens up dequantizes their rows only, the same values
     assert torch.equal(layer.rows(ids, torch.float32), expected[ids])
     if kind != T.Q8_0:  # every code the type has is used (Q8_0's range is the quantizer's)
-        codes = q6_k_codes_and_scales(layer.blocks)[0] if kind == T.Q6_K else layer.codes()
-        assert len(torch.unique(codes)) == {Int8Linear: 32, Int4Linear: 16, Int5Linear: 32, Q6_KLinear: 64}[type(layer)]
+        codes = {T.Q6_K: q6_k_codes_and_scales, T.Q5_K: q5_k_codes_and_factors}[kind](layer.blocks)[0] if kind in (T.Q5_K, T.Q6_K) \
+            else layer.codes()
+        assert len(torch.unique(codes)) == {Int8Linear: 32, Int4Linear: 16, Q5_KLinear: 32, Q6_KLinear: 64}[type(layer)]
 
 
 @pytest.mark.parametrize("kind", list(EXACT), ids=lambda kind: kind.name)
@@ -272,7 +275,7 @@ def test_generate_converts_a_files_blocks_by_the_kernels_where_they_run_to_the_s
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
     model, expected = load_model(flags, path, "gguf", tokenizer), load_checkpoint(path)
     # Q8_0's rows and Q6_K's blocks are read where the file maps them, converted by none
-    assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16, T.Q8_0, T.Q6_K} if kernels == "auto" else set())
+    assert set(converted) == ({kind for _, kind in tensors.values()} - {T.F32, T.F16, T.Q8_0, T.Q5_K, T.Q6_K} if kernels == "auto" else set())
     if kernels == "off":
         hold_plain_rows(expected)  # as load_model holds layers off the kernels
     assert same_bytes(model, expected)
@@ -434,8 +437,9 @@ def test_a_native_record_that_does_not_fit_its_model_is_refused_in_one_line(q4_k
     fields = json.loads(config.read_text())
     for edit, message in ((lambda q: q["layers"].update({"layers.9.attention.wq": q["layers"]["output"]}), "not a matrix of this model"),
                           (lambda q: q["layers"]["output"].update(layer="int3"), "a record of a GGUF file's layers that llama_mini does not know"),
-                          # a checkpoint of llama_mini 0.3.0 before Q6_K was held as the file's blocks: convert the file again
+                          # checkpoints of llama_mini 0.3.0 before Q6_K and Q5_K were held as the file's blocks: convert the file again
                           (lambda q: q["layers"]["output"].update(layer="int6"), "a record of a GGUF file's layers that llama_mini does not know"),
+                          (lambda q: q["layers"]["output"].update(layer="int5"), "a record of a GGUF file's layers that llama_mini does not know"),
                           (lambda q: q["layers"]["layers.0.attention.wq"].update(super_group_size=0), "does not fit the config")):
         record = json.loads(json.dumps(fields))
         edit(record["quantization"])
@@ -458,14 +462,14 @@ def test_off_the_kernels_the_notice_names_the_files_blocks_not_a_flag(q4_k_m, mo
 
 
 @pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
-def test_the_notice_of_int5_and_q6_k_promises_nothing_of_compile(kind, monkeypatch):
-    """Compiled, int8 and int4 layers read their codes in one pass (quant/layers.py one_row); int5
+def test_the_notice_of_q5_k_and_q6_k_promises_nothing_of_compile(kind, monkeypatch):
+    """Compiled, int8 and int4 layers read their codes in one pass (quant/layers.py one_row); Q5_K
     and Q6_K dequantize each step compiled or not, so their notice does not offer --compile."""
     from llama_mini.quant import quantized_notice
 
     monkeypatch.setattr("llama_mini.quant.quantized_slowdown", lambda layer: 12.0)
     model = torch.nn.Sequential(layer_from_blocks(kind, blocks_of(kind, SHAPE), SHAPE))
-    method = {T.Q5_K: "int5", T.Q6_K: "Q6_K"}[kind]
+    method = kind.name
     assert quantized_notice(model, None) == (f"note: here {method} layers take 12x the time of float ones in a decoding step "
                                              f"(off the CPU kernels each step dequantizes them): the file's {method} blocks save "
                                              "memory, not time (--dtype float32 spends the memory instead)")
@@ -473,9 +477,9 @@ def test_the_notice_of_int5_and_q6_k_promises_nothing_of_compile(kind, monkeypat
 
 
 @pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
-def test_an_edited_int5_or_q6_k_definition_runs_as_edited_with_the_kernel_left_off(kind, monkeypatch, caplog):
-    """The int5 and Q6_K kernels compute their layers' dequantized weights as k_quants.py and
-    q6_k.py hold them: a reader who edits that code gets the edited function, and one line naming it."""
+def test_an_edited_q5_k_or_q6_k_definition_runs_as_edited_with_the_kernel_left_off(kind, monkeypatch, caplog):
+    """The K-quant kernel computes the layers' dequantized weights as k_quants.py holds them: a
+    reader who edits that code gets the edited function, and one line naming it."""
     import logging
 
     from llama_mini.kernels import fingerprints
@@ -497,8 +501,7 @@ def test_an_edited_int5_or_q6_k_definition_runs_as_edited_with_the_kernel_left_o
     with torch.inference_mode():
         got = fast(x)
     assert type(fast) is cls and torch.allclose(got, unedited * 0.5, rtol=1e-4, atol=1e-4)
-    where = "q6_k" if kind == T.Q6_K else "k_quants"
-    assert any(f"{cls.__name__}.weights in llama_mini/quant/{where}.py" in r.getMessage() and "left off" in r.getMessage()
+    assert any(f"{cls.__name__}.weights in llama_mini/quant/k_quants.py" in r.getMessage() and "left off" in r.getMessage()
                for r in caplog.records)
     fingerprints.notice_changed.cache_clear()
 
@@ -615,35 +618,36 @@ def test_on_the_kernels_a_q8_0_file_runs_from_its_mapped_bytes(tmp_path):
     assert ((ours - theirs).pow(2).mean() / theirs.var()).sqrt() < 1e-3
 
 
-def test_a_q6_k_file_runs_from_its_mapped_bytes_on_the_kernels_and_off(tmp_path):
-    """A Q6_K matrix, the tied embedding and head too, is the file's own bytes where it is mapped,
-    kernels or not (Q6_KLinear: nothing converted, none written to memory of the process's own),
+@pytest.mark.parametrize("kind", [T.Q5_K, T.Q6_K], ids=lambda kind: kind.name)
+def test_a_k_quant_file_runs_from_its_mapped_bytes_on_the_kernels_and_off(tmp_path, kind):
+    """A Q5_K or Q6_K matrix, the tied embedding and head too, is the file's own bytes where it is
+    mapped, kernels or not (k_quants.py: nothing converted, none written to memory of the process's own),
     its pages mapped as the model loads; on the kernels the model computes what --kernels off
     does, and a native checkpoint holds the same blocks."""
     import argparse
 
     from llama_mini.formats.convert import convert
     from llama_mini.inference.loading import load_model
-    from llama_mini.kernels.linear import KernelQ6_KLinear
+    from llama_mini.kernels.linear import LINEAR_KERNELS
     from llama_mini.support.memory import _in_a_file_mapping
 
     kernels_converter()
     args = ModelArgs(**{**ARGS.__dict__, "tie_embeddings": True})
-    path, tensors = write_file(tmp_path / "tied-Q6_K.gguf", {name: T.Q6_K for name in TYPES if name != "output.weight"}, args)
+    path, tensors = write_file(tmp_path / f"tied-{kind.name}.gguf", {name: kind for name in TYPES if name != "output.weight"}, args)
     tokenizer = argparse.Namespace(model_path=None, n_words=ARGS.vocab_size)
     models = {kernels: load_model(argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels=kernels, compile=False), path,
                                   "gguf", tokenizer) for kernels in ("auto", "off")}
     if sys.platform.startswith("linux"):  # mapped while loading, as llama.cpp maps its file: no forward has read them
-        q6_k_bytes = sum(stored.nbytes for stored, kind in tensors.values() if kind == T.Q6_K)
-        assert resident_bytes_of_mapping(models["auto"].output.blocks.data_ptr()) >= q6_k_bytes
+        k_quant_bytes = sum(stored.nbytes for stored, stored_kind in tensors.values() if stored_kind == kind)
+        assert resident_bytes_of_mapping(models["auto"].output.blocks.data_ptr()) >= k_quant_bytes
     assert on_kernels(models["auto"]) and models["auto"].output is models["auto"].tok_embeddings.table
     for kernels, model in models.items():
-        for name, (stored, kind) in tensors.items():
-            if kind != T.Q6_K:
+        for name, (stored, stored_kind) in tensors.items():
+            if stored_kind != kind:
                 continue
             layer = model.get_submodule(from_format(name, "gguf").removesuffix(".weight"))
             layer = layer.table if isinstance(layer, QuantizedEmbedding) else layer
-            assert type(layer) is (KernelQ6_KLinear if kernels == "auto" else Q6_KLinear), name
+            assert type(layer) is (LINEAR_KERNELS[EXACT[kind]] if kernels == "auto" else EXACT[kind]), name
             assert torch.equal(layer.blocks.flatten(1), torch.from_numpy(stored)), name
             assert _in_a_file_mapping(layer.blocks.data_ptr(), layer.blocks.data_ptr() + layer.blocks.numel()), name
     assert same_bytes(models["auto"], models["off"])
@@ -654,7 +658,7 @@ def test_a_q6_k_file_runs_from_its_mapped_bytes_on_the_kernels_and_off(tmp_path)
     assert ((ours - theirs).pow(2).mean() / theirs.var()).sqrt() < 1e-3
     convert(path, tmp_path / "native", "native")
     native = load_checkpoint(tmp_path / "native")
-    assert {record["layer"] for record in native.quantization["layers"].values()} == {"q6_k"}
+    assert {record["layer"] for record in native.quantization["layers"].values()} == {kind.name.lower()}
     assert same_bytes(native, models["off"])
 
 

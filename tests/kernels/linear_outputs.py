@@ -1,11 +1,10 @@
-"""The integer layers' outputs (int8, int4, symmetric too, and GGUF's int5 and Q6_K) on fixed inputs (float32 and bfloat16 activations; tails of rows
+"""The integer layers' outputs (int8, int4, symmetric too, and GGUF's Q5_K and Q6_K) on fixed inputs (float32 and bfloat16 activations; tails of rows
 and tiles), for comparing builds of the kernels for two instruction sets: their sums are exact
 integers, then the same float32 steps in the same order, on either. (The dense layers sum in
 sixteen lanes with AVX-512 and eight with AVX2: the same function, other roundings.)"""
 
 import torch
 
-from llama_mini.quant.k_quants import Int5Linear
 from llama_mini.quant.layers import Int4Linear, Int8Linear
 
 
@@ -21,12 +20,10 @@ def linear_outputs(ops) -> list:
                     ops.linear_int4(x, int4.weight, int4.scales, None),  # symmetric (GGUF's Q4_0): offsets -8 scales
                     ops.linear_int4(x, factored.weight, factored.scales, factored.offsets, factored.super_scales,
                                     factored.super_offsets)]
-        int5 = Int5Linear(256, 72)  # GGUF's Q5_K
-        int5.store_rows(0, torch.randint(0, 32, (72, 256), generator=g, dtype=torch.uint8), *factors,
-                        torch.rand(72, 1, generator=g), -torch.rand(72, 1, generator=g))
+        q5_k = torch.randint(0, 256, (76, 1, 176), generator=g, dtype=torch.uint8)  # GGUF's Q5_K: random bytes, d and dmin 0.5 .. 1
+        q5_k[..., :4] = (torch.rand(76, 1, 2, generator=g) / 2 + 0.5).half().view(torch.uint8).view(76, 1, 4)
         q6_k = torch.randint(0, 256, (76, 1, 210), generator=g, dtype=torch.uint8)  # GGUF's Q6_K: random bytes, a d of 0.5 .. 1
         q6_k[..., 208:] = (torch.rand(76, 1, 1, generator=g) / 2 + 0.5).half().view(torch.uint8)
-        for rows in (x, x[:3]):  # a prompt's rows (widened) and a decoding step's (read as held)
-            outputs += [ops.linear_int5(rows, int5.weight, int5.scales, int5.offsets, int5.super_scales, int5.super_offsets),
-                        ops.linear_q6_k(rows, q6_k)]
+        for rows in (x, x[:3]):  # a prompt's rows (widened) and a decoding step's (read in place)
+            outputs += [ops.linear_k_quant(rows, q5_k), ops.linear_k_quant(rows, q6_k)]
     return outputs

@@ -194,27 +194,35 @@ def test_symmetric_int4_matches_float64_with_offsets_minus_8_scales(ops, dtype, 
     assert ((got[:, :6] - xq @ w[:6].t()).abs() <= 1e-5 * terms + (0 if dtype == torch.float32 else 8e-3 * terms)).all()
 
 
-def int5_layer(n, k, g):
-    """llama.cpp's Q5_K as Int5Linear holds it: codes 0..31 (all 0 and all 31 in two rows), uint8
-    factors per group of 32 (the largest, 255, too), float16 d and -dmin per 256."""
-    from llama_mini.quant.k_quants import Int5Linear
+def q5_k_layer(n, k, g):
+    """llama.cpp's Q5_K as its file holds it (Q5_KLinear): codes 0..31 (all 31 and all 0 in two
+    rows), 6-bit sc and m per sub-block of 32 inputs (63 too), float16 d and dmin per 256, packed
+    here as llama.cpp packs them (ggml-common.h's block_q5_K)."""
+    from llama_mini.quant.k_quants import Q5_KLinear
 
+    supers = k // 256
     codes = torch.randint(0, 32, (n, k), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 31, 0
-    factors = torch.randint(0, 64, (2, n, k // 32), generator=g, dtype=torch.uint8)
-    factors[0, 3] = 255
-    supers = (torch.rand(2, n, k // 256, generator=g) * 1e-3 * torch.tensor([1.0, -1.0])[:, None, None]).half().float()
-    layer = Int5Linear(k, n)
-    layer.store_rows(0, codes, *factors, *supers)
-    scales, offsets = (s.double().repeat_interleave(8, dim=1) * f.double() for s, f in zip(supers, factors))
-    return layer, (codes.double().unflatten(-1, (-1, 32)) * scales[..., None] + offsets[..., None]).flatten(-2)
+    sc, m = torch.randint(0, 64, (2, n, supers, 8), generator=g, dtype=torch.uint8).long()
+    sc[3], m[4] = 63, 63
+    d, dmin = (torch.rand(2, n, supers, generator=g) * 1e-3 * torch.tensor([1.0, -1.0])[:, None, None]).half()
+    factors = torch.cat((sc[..., :4] | (sc[..., 4:] >> 4 << 6), m[..., :4] | (m[..., 4:] >> 4 << 6),
+                         (sc[..., 4:] & 15) | ((m[..., 4:] & 15) << 4)), -1)  # get_scale_min_k4's twelve bytes
+    c = codes.view(n, supers, 8, 32).long()  # sub-block t: inputs 32t + i
+    qh = sum(((c[:, :, t] >> 4) & 1) << t for t in range(8))  # byte i: input 32t + i's fifth bit in bit t
+    ql = (c[:, :, 0::2] & 15) | ((c[:, :, 1::2] & 15) << 4)  # byte 32h + i: inputs 64h + i (low), 64h + 32 + i (high)
+    halves = torch.stack((d, dmin), -1).view(torch.uint8).view(n, supers, 4).long()
+    blocks = torch.cat((halves, factors, qh, ql.reshape(n, supers, 128)), -1).to(torch.uint8)
+    per_input = lambda f, s: (s.double()[..., None] * f.double()).repeat_interleave(32, dim=-1).view(n, k)
+    w = codes.double() * per_input(sc, d) - per_input(m, dmin)
+    return Q5_KLinear(blocks.view(n, -1), k), w
 
 
 def q6_k_layer(n, k, g):
     """llama.cpp's Q6_K as its file holds it (Q6_KLinear): codes 0..63 (all 63 and all 0 in two
     rows), an int8 scale per sub-block of 16 inputs (its extremes -128 and 127 too), a float16 d
     per 256, packed here as llama.cpp packs them (ggml-common.h's block_q6_K)."""
-    from llama_mini.quant.q6_k import Q6_KLinear
+    from llama_mini.quant.k_quants import Q6_KLinear
 
     codes = torch.randint(0, 64, (n, k), generator=g, dtype=torch.uint8)
     codes[3], codes[4] = 63, 0
@@ -233,43 +241,35 @@ def q6_k_layer(n, k, g):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 16, 17, 70, 130])
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("make", [int5_layer, q6_k_layer], ids=["int5", "Q6_K"])
-def test_int5_and_q6_k_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
-    """A decoding step reads the codes as held; from 16 rows a prompt widens them once per call
-    (csrc/linear.cpp, csrc/q6_k.cpp). The dequantized weights are exact in float32. Outputs of 92
-    rows: sets of eight in threads' bands and tiles, with four left over; the last row of x has a
-    block whose first half is all -127 and its second +127 (Q6_K's sub-blocks carry their own sums)."""
+@pytest.mark.parametrize("make", [q5_k_layer, q6_k_layer], ids=["Q5_K", "Q6_K"])
+def test_q5_k_and_q6_k_match_float64_as_the_files_blocks_hold_them(ops, make, dtype, rows, threads):
+    """A decoding step reads the blocks where they are; from 16 rows a prompt widens them once per
+    call (csrc/k_quants.cpp). The dequantized weights are exact in float32 to one rounding. Outputs
+    of 92 rows: sets of eight in threads' bands and tiles, with four left over; the last row of x
+    has a block whose first half is all -127 and its second +127 (each sub-block carries its own sums)."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=g).to(dtype)
     x[-1, :16], x[-1, 16:32] = -1.0, 1.0
-    layer, w = make(88 if make is int5_layer else 92, 768, g)  # int5 holds sets of eight rows; Q6_K any rows
+    layer, w = make(92, 768, g)
     assert torch.equal(layer.dequantize(), w.float())  # one float32 rounding of the exact weight, as gguf's
-    if make is int5_layer:
-        got = ops.linear_int5(x, layer.weight, layer.scales, layer.offsets, layer.super_scales, layer.super_offsets)
-    else:
-        got = ops.linear_q6_k(x, layer.blocks)
+    got = ops.linear_k_quant(x, layer.blocks)
     close(got, quantized_activations(x, layer.activation_block).double() @ w.t(), dtype)
     torch.set_num_threads(1)
 
 
 @pytest.mark.parametrize("rows", [1, 16])
-@pytest.mark.parametrize("make", [int5_layer, "factored int4"], ids=["int5", "factored-int4"])
-def test_the_k_quant_kernels_read_super_scales_held_as_float32_alike(ops, make, rows):
-    """The K-quants' layers hold d (and -dmin) as the file's float16; a checkpoint converted
-    before held them as float32, the same values, and loads them as they are: the same outputs."""
+def test_the_factored_int4_kernel_reads_super_scales_held_as_float32_alike(ops, rows):
+    """Q4_K's layer holds d and -dmin as the file's float16; a checkpoint converted before held
+    them as float32, the same values, and loads them as they are: the same outputs."""
+    from llama_mini.quant.layers import Int4Linear
+
     g = torch.Generator().manual_seed(3)
     x = torch.randn(rows, 768, generator=g)
-    if make == "factored int4":
-        from llama_mini.quant.layers import Int4Linear
-
-        factors = torch.randint(0, 64, (2, 16, 24), generator=g, dtype=torch.uint8)
-        supers = (torch.rand(2, 16, 3, generator=g) - 0.5).half()
-        layer = Int4Linear.from_codes(torch.randint(0, 16, (16, 768), generator=g, dtype=torch.uint8), *factors, 32, *supers)
-        op = ops.linear_int4
-    else:
-        layer, _ = make(16, 768, g)
-        op = getattr(ops, f"linear_{make.__name__[:4]}")
+    factors = torch.randint(0, 64, (2, 16, 24), generator=g, dtype=torch.uint8)
+    supers = (torch.rand(2, 16, 3, generator=g) - 0.5).half()
+    layer = Int4Linear.from_codes(torch.randint(0, 16, (16, 768), generator=g, dtype=torch.uint8), *factors, 32, *supers)
+    op = ops.linear_int4
     names = [name for name in ("weight", "scales", "offsets", "super_scales", "super_offsets") if hasattr(layer, name)]
     held = [getattr(layer, name) for name in names]
     assert layer.super_scales.dtype == torch.float16
@@ -293,13 +293,11 @@ def test_wrong_shapes_are_refused_by_the_operators(ops):
         ops.linear_int8(torch.randn(1, 40), torch.zeros(1, 320, dtype=torch.int8), torch.ones(1, 8))
     with pytest.raises(RuntimeError, match="one per row and block of 32 inputs"):
         ops.linear_int8(torch.randn(1, 32), torch.zeros(1, 256, dtype=torch.int8), torch.ones(8))
-    with pytest.raises(RuntimeError, match="inputs a multiple of 256"):
-        ops.linear_int5(torch.randn(1, 32), torch.zeros(1, 160, dtype=torch.uint8), *torch.zeros(2, 1, 8, dtype=torch.uint8),
-                        *torch.ones(2, 1, 8))
-    with pytest.raises(RuntimeError, match="Q6_K rows"):
-        ops.linear_q6_k(torch.randn(1, 256), torch.zeros(1, 1, 192, dtype=torch.uint8))
-    with pytest.raises(RuntimeError, match="input of shape"):
-        ops.linear_q6_k(torch.randn(1, 32), torch.zeros(1, 1, 210, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="Q5_K or Q6_K rows"):
+        ops.linear_k_quant(torch.randn(1, 256), torch.zeros(1, 1, 192, dtype=torch.uint8))
+    for block_bytes in (176, 210):
+        with pytest.raises(RuntimeError, match="input of shape"):
+            ops.linear_k_quant(torch.randn(1, 32), torch.zeros(1, 1, block_bytes, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="a contiguous 2-D weight"):
         ops.linear_dense(torch.randn(1, 12), torch.randn(12, 4).t())
 
@@ -374,24 +372,24 @@ def test_a_nan_in_a_key_gives_what_sdpa_gives(ops, dtype, cache_dtype):
     assert step.isnan().all()
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "symmetric int4", "int5", "Q6_K"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "int8, float16 scales", "factored int4", "symmetric int4", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
 def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives(ops, kind, dtype, value):
-    """quantized_activations turns a block (of 32, or Q6_K's 256) holding a NaN or an infinity into NaNs (inf * 0,
+    """quantized_activations turns a block (of 32, or the K-quants' 256) holding a NaN or an infinity into NaNs (inf * 0,
     NaN * anything), so every output of that row is NaN; the other rows are untouched. Wherever
     the value sits in its block, the first lane, the last, or between."""
     from llama_mini.quant.layers import Int4Linear, Int8Linear
 
     g = torch.Generator().manual_seed(0)
-    k = 256 if kind in ("int5", "Q6_K") else 96  # the K-quants' super-blocks
+    k = 256 if kind in ("Q5_K", "Q6_K") else 96  # the K-quants' super-blocks
     w = torch.randn(16, k, generator=g).to(dtype)
     layer = {"int8": lambda: Int8Linear.from_weight(w), "int4": lambda: Int4Linear.from_weight(w),
              "int8, float16 scales": lambda: Int8Linear.from_weight(w, torch.float16),  # a GGUF file's Q8_0
              "factored int4": lambda: factored_int4(16, 96, g).to(dtype),  # a GGUF file's Q4_K
              "symmetric int4": lambda: Int4Linear.from_codes(torch.randint(0, 16, (16, k), generator=g, dtype=torch.uint8),
                                                              (torch.rand(16, k // 32, generator=g) / 8).half(), None),  # Q4_0
-             "int5": lambda: int5_layer(16, k, g)[0], "Q6_K": lambda: q6_k_layer(16, k, g)[0]}[kind]()
+             "Q5_K": lambda: q5_k_layer(16, k, g)[0], "Q6_K": lambda: q6_k_layer(16, k, g)[0]}[kind]()
     fast = use_cpu_kernels(torch.nn.Sequential(copy.deepcopy(layer)))[0]
     for position in (0, 5, 31, 32, 63, 95, k - 1):
         x = torch.randn(5, k, generator=g).to(dtype)  # a tile of four rows and one of one
@@ -686,7 +684,7 @@ def test_each_row_is_computed_as_if_alone_at_every_row_count(ops, dtype):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 96, generator=g)
     layers = {"dense": torch.nn.Linear(96, 40, bias=False), "int8": Int8Linear.from_weight(w), "int4": Int4Linear.from_weight(w),
-              "factored int4": factored_int4(40, 96, g), "int5": int5_layer(40, 512, g)[0], "Q6_K": q6_k_layer(44, 512, g)[0]}
+              "factored int4": factored_int4(40, 96, g), "Q5_K": q5_k_layer(44, 512, g)[0], "Q6_K": q6_k_layer(44, 512, g)[0]}
     for name, layer in layers.items():
         layer = use_cpu_kernels(torch.nn.Sequential(layer.to(dtype)))[0]
         for rows in (2, 5, 17, 64, 150):  # tiles of 4 and 1, a prompt's tiles

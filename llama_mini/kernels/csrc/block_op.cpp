@@ -27,16 +27,14 @@ namespace {
 
 // y = x W^T for a linear layer as the block holds it: a float weight (nn.Linear), int8 codes
 // with their scales (Int8Linear), int4 codes with scales and offsets, factored, or symmetric without
-// offsets (Int4Linear),
-// int5 codes with factored scales and offsets (Int5Linear), or a GGUF file's Q8_0 rows where it
-// maps them (MappedQ8_0Linear), or its Q6_K blocks, (rows, blocks, 210) (Q6_KLinear).
+// offsets (Int4Linear), or a GGUF file's Q8_0 rows where it maps them (MappedQ8_0Linear), or its
+// Q5_K or Q6_K blocks, (rows, blocks, 176 or 210) (quant/k_quants.py).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scales,
                   const std::optional<at::Tensor>& offsets, const std::optional<at::Tensor>& super_scales,
                   const std::optional<at::Tensor>& super_offsets) {
-    if (!scales && weight.scalar_type() == at::kByte) return weight.dim() == 3 ? q6_k_op(x, weight) : q8_0_op(x, weight);
+    if (!scales && weight.scalar_type() == at::kByte) return weight.dim() == 3 ? k_quant_op(x, weight) : q8_0_op(x, weight);
     if (!scales) return dense_op(x, weight);
     if (weight.scalar_type() == at::kChar) return int8_op(x, weight, *scales);
-    if (weight.size(1) == 5 * x.size(-1)) return int5_op(x, weight, *scales, *offsets, *super_scales, *super_offsets);
     return int4_op(x, weight, *scales, offsets, super_scales, super_offsets);
 }
 

@@ -7,7 +7,7 @@
 // thread: a file loads in a fraction of the time.
 //
 // blocks: the matrix's blocks as the file holds them, uint8 (rows, bytes per row), rows a
-// multiple of eight. kind: the GGML type (Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12, Q5_K 13). outputs: the
+// multiple of eight. kind: the GGML type (Q5_0 6, Q4_0 2, Q4_1 3, Q4_K 12). outputs: the
 // layer's buffers in its order (weight first), in quant/layout.py's sets of eight rows. What each type's codes and factors are is quant/gguf_blocks.py's.
 
 #include <ATen/Parallel.h>
@@ -40,7 +40,6 @@ Kind kind_of(int64_t kind) {
         case 2: return {32, 18, 4, {{32, 2}}};                                  // Q4_0: d
         case 3: return {32, 20, 4, {{32, 2}, {32, 2}}};                         // Q4_1: d, m
         case 12: return {256, 144, 4, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q4_K: sc, m, d, -dmin
-        case 13: return {256, 176, 5, {{32, 1}, {32, 1}, {256, 2}, {256, 2}}};  // Q5_K: the same
     }
     TORCH_CHECK(false, "llama_mini::gguf_blocks: no converter for GGML type ", kind);
 }
@@ -60,9 +59,9 @@ uint32_t word(const uint8_t* p) {
     return w;
 }
 void put_word(uint8_t* p, uint32_t w) { std::memcpy(p, &w, 4); }
-constexpr uint32_t LOW_NIBBLES = 0x0F0F0F0F, LOW_BIT = 0x01010101;
+constexpr uint32_t LOW_NIBBLES = 0x0F0F0F0F;
 
-// Q4_K's and Q5_K's twelve bytes of 6-bit sub-block scales and mins (llama.cpp's get_scale_min_k4).
+// Q4_K's twelve bytes of 6-bit sub-block scales and mins (llama.cpp's get_scale_min_k4).
 void scales_and_mins(const uint8_t* q, uint8_t* sc, uint8_t* m) {
     for (int j = 0; j < 4; j++) sc[j] = q[j] & 63, m[j] = q[j + 4] & 63;
     for (int j = 4; j < 8; j++) sc[j] = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4), m[j] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
@@ -89,30 +88,21 @@ void decode_block(int64_t kind, const uint8_t* b, uint8_t* codes, uint8_t* const
             for (int j = 0; j < 16; j += 4) put_word(codes + j, word(qs + j) & LOW_NIBBLES), put_word(codes + j + 16, (word(qs + j) >> 4) & LOW_NIBBLES);
             return;
         }
-        case 12:
-        case 13: {
-            const uint8_t* qs = b + (kind == 12 ? 16 : 48);
-            const uint8_t* fifth = b + 16;
+        case 12: {
+            const uint8_t* qs = b + 16;
             scales_and_mins(b + 4, factor[0], factor[1]);
             std::memcpy(factor[2], b, 2), put_negated_half(factor[3], b + 2);
             for (int c = 0; c < 4; c++)
-                for (int i = 0; i < 32; i += 4) {
-                    uint32_t low = word(qs + 32 * c + i) & LOW_NIBBLES, high = (word(qs + 32 * c + i) >> 4) & LOW_NIBBLES;
-                    if (kind == 13) {
-                        low |= ((word(fifth + i) >> (2 * c)) & LOW_BIT) << 4;
-                        high |= ((word(fifth + i) >> (2 * c + 1)) & LOW_BIT) << 4;
-                    }
-                    put_word(codes + 64 * c + i, low), put_word(codes + 64 * c + 32 + i, high);
-                }
+                for (int i = 0; i < 32; i += 4)
+                    put_word(codes + 64 * c + i, word(qs + 32 * c + i) & LOW_NIBBLES), put_word(codes + 64 * c + 32 + i, (word(qs + 32 * c + i) >> 4) & LOW_NIBBLES);
             return;
         }
     }
 }
 
-// A set's eight rows of codes (row j at codes + j k) into the set's bytes of layout.py's int8,
-// int4 or int5. A run holds four inputs of each row, so each row's four bytes of a run are one
-// word: inputs i .. i + 3 in its low nibbles, i + 4 .. i + 7 in its high, and their fifth bits in
-// the word after the runs.
+// A set's eight rows of codes (row j at codes + j k) into the set's bytes of layout.py's int8 or
+// int4. A run holds four inputs of each row, so each row's four bytes of a run are one word:
+// inputs i .. i + 3 in its low nibbles, i + 4 .. i + 7 in its high.
 template <int bits>
 void pack_set(const uint8_t* codes, int64_t k, uint8_t* out) {
     if constexpr (bits == 8) {
@@ -124,13 +114,7 @@ void pack_set(const uint8_t* codes, int64_t k, uint8_t* out) {
         for (int64_t j = 0; j < ROWS; j++) {
             const uint8_t* row = codes + j * k + BLOCK * b;
             const auto nibbles = [&](int64_t i) { return (word(row + i) & LOW_NIBBLES) | ((word(row + i + 4) & LOW_NIBBLES) << 4); };
-            uint8_t* block = out + (bits == 4 ? 128 : 160) * b;
-            uint32_t fifth = 0;
-            for (int64_t c = 0; c < 4; c++) {
-                put_word(block + 32 * c + 4 * j, nibbles(8 * c));
-                fifth |= ((word(row + 8 * c) >> 4) & LOW_BIT) << (2 * c) | ((word(row + 8 * c + 4) >> 4) & LOW_BIT) << (2 * c + 1);
-            }
-            if constexpr (bits == 5) put_word(block + 128 + 4 * j, fifth);
+            for (int64_t c = 0; c < 4; c++) put_word(out + 128 * b + 32 * c + 4 * j, nibbles(8 * c));
         }
 }
 
@@ -169,11 +153,10 @@ void gguf_blocks_op(const at::Tensor& blocks, int64_t kind, at::TensorList outpu
                 }
             }
             uint8_t* packed = static_cast<uint8_t*>(outputs[0].data_ptr()) + s * code_bytes;
-            switch (form.bits) {
-                case 8: pack_set<8>(codes.data(), k, packed); break;
-                case 4: pack_set<4>(codes.data(), k, packed); break;
-                default: pack_set<5>(codes.data(), k, packed);
-            }
+            if (form.bits == 8)
+                pack_set<8>(codes.data(), k, packed);
+            else
+                pack_set<4>(codes.data(), k, packed);
             for (size_t f = 0; f < at.size(); f++) {  // row j's group g to the set's place g * 8 + j (interleave_rows)
                 const int64_t groups = k / form.factors[f].inputs, size = form.factors[f].size;
                 uint8_t* out = static_cast<uint8_t*>(outputs[f + 1].data_ptr()) + s * groups * size * ROWS;

@@ -54,25 +54,20 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
                             const void* super_offsets, int64_t super_group, void* y, int64_t rows, int64_t n,
                             int64_t k, int64_t group, int scales_type, int y_type, int threads);
 
-// W int5 (llama.cpp's Q5_K): linear_int4's factored form, groups of 32 and super-groups of 256,
-// with codes 0..31: k % 256 == 0. For set p and block b, codes[p, b] is 160 bytes: int4's 128,
-// then 32 of fifth bits, byte 4j + u holding those of run c's two inputs (8c + u, 8c + 4 + u) of
-// row 8p + j in bits 2c and 2c + 1. Scales and offsets uint8, super_scales and super_offsets of
-// float type super_type (a GGUF file's float16).
-extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const uint8_t* scales, const uint8_t* offsets, const void* super_scales,
-                            const void* super_offsets, int super_type, void* y, int64_t rows, int64_t n, int64_t k,
-                            int y_type, int threads);
-
 // W as a GGUF file holds Q8_0 (llama.cpp): row i is k / 32 blocks of 34 bytes, a float16 scale d
 // and 32 int8 codes q, W[i, j] = d q, read where the file maps them. n % 8 == 0. The same
 // integer sums and float32 steps as linear_int8 on those codes and scales, so the same bits.
 extern "C" void linear_q8_0(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* blocks, void* y,
                             int64_t rows, int64_t n, int64_t k, int y_type, int threads);
 
-// W as a GGUF file holds Q6_K (llama.cpp): row i is k / 256 blocks of 210 bytes (q6_k.cpp), W[i, j] =
-// d s (q - 32), read where the file maps them; xq and xd are activations in blocks of 256.
+// W as a GGUF file holds Q6_K or Q5_K (llama.cpp), read where the file maps them; xq and xd are
+// activations in blocks of 256 (k_quants.cpp). Row i is k / 256 blocks. Q6_K's are 210 bytes and
+// W[i, j] = d s (q - 32): 128 bytes of low four bits, 64 of high two bits, 16 int8 s (one per 16
+// inputs), float16 d. Q5_K's are 176 bytes and W[i, j] = d sc q - dmin m: float16 d and dmin,
+// 12 bytes of 6-bit sc and m (one each per 32 inputs), 32 bytes of fifth bits, 128 of low nibbles.
 extern "C" void linear_q6_k(const int8_t* xq, const float* xd, const uint8_t* blocks, void* y, int64_t rows, int64_t n,
+                            int64_t k, int y_type, int threads);
+extern "C" void linear_q5_k(const int8_t* xq, const float* xd, const uint8_t* blocks, void* y, int64_t rows, int64_t n,
                             int64_t k, int y_type, int threads);
 
 // Causal attention of `rows` new positions start .. start + rows - 1: q (batch, rows, heads,

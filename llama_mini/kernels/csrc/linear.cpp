@@ -1,6 +1,6 @@
 // Linear layers on the CPU, y = x W^T, for any number of rows of x: float32, bfloat16 or
-// float16 weights, int8, int4 and int5 weights, and a GGUF file's Q8_0 blocks where it maps them
-// (its Q6_K blocks: q6_k.cpp).
+// float16 weights, int8 and int4 weights, and a GGUF file's Q8_0 blocks where it maps them
+// (its Q5_K and Q6_K blocks: k_quants.cpp).
 //
 // A decoding step multiplies every weight matrix by one row (a few, for a batch): its time is
 // the time to stream the weights from memory. A prompt multiplies them by hundreds of rows: its
@@ -475,17 +475,6 @@ struct Int4Format {
     }
 };
 
-// Codes 0..31 (int5): a block's sums would overflow U4Sums' int16, so each run's are widened
-// (u4_dot2: its low and high nibbles' pairs added, then widened once).
-template <typename F> struct FiveBitSums : F {
-    using Sum = Ints16;
-    static Sum start(int32_t) { return Ints16::all(0); }
-    static Sum dot(Sum acc, const typename F::Run& w, typename F::Inputs x) { return u4_dot2(acc, w.low, x.low, w.high, x.high); }
-    static Floats16 add(Floats16 acc, Sum isum, const typename F::Scales& s, float d, int32_t activation_sum) {
-        return int4_block(acc, isum, s.s, s.offsets, d, activation_sum);
-    }
-};
-
 // Symmetric int4 (llama.cpp's Q4_0): no offsets held, each group's is -8 times its scale, exact in float32.
 struct SymmetricInt4Format : Int4Format {
     Scales scales_of(int64_t first, int64_t second, int64_t b) const {
@@ -505,28 +494,6 @@ struct FactoredInt4Format : Int4Format {
         const int64_t g = b / per_group, s = g / groups_per_super;
         return {mul(set_pair_factors(scales, first, second, groups, g), set_pair_scales(super_scales, scale_type, first, second, supers, s)),
                 mul(set_pair_factors(offsets, first, second, groups, g), set_pair_scales(super_offsets, scale_type, first, second, supers, s))};
-    }
-};
-
-// int5 (llama.cpp's Q5_K): int4's format (F, factored or multiplied out) with a fifth bit per code,
-// from 32 bytes after each block's four runs (kernels.h).
-template <typename F> struct FifthBit : FiveBitSums<F> {
-    static constexpr int BLOCK_BYTES = 160;
-
-    typename F::Run load(const char* first, const char* second, int64_t first_set, int64_t second_set, int64_t b, int c) const {
-        typename F::Run run = F::load(first, second, first_set, second_set, b, c);
-        fifth_bits(Ints16::load(first + 32 * (4 - c), second + 32 * (4 - c)), c, run.low, run.high);
-        return run;
-    }
-};
-
-// int5 widened for a prompt (widen_int5): each code a byte, run c's inputs 8c + u, then its
-// 8c + 4 + u, and each group's scale and offset multiplied out in float32: int4's format, read as held.
-struct WideInt5Format : FiveBitSums<Int4Format> {
-    static constexpr int RUN_BYTES = 64, BLOCK_BYTES = 256;
-
-    static Run load(const char* first, const char* second, int64_t, int64_t, int64_t, int) {
-        return {as_codes(Ints16::load(first, second)), as_codes(Ints16::load(first + 32, second + 32))};
     }
 };
 
@@ -729,39 +696,7 @@ extern "C" void linear_int4(const int8_t* xq, const float* xd, const int32_t* xs
     }
 }
 
-// Writes one run of two sets' codes (Codes16) as bytes: the first set's 32 to `to`, the second's
-// (unless it is the first again) to `to + set_bytes`.
-inline void store_pair(uint8_t* to, int64_t set_bytes, bool second, Codes16 codes) {
-    alignas(64) uint8_t bytes[64];
-    store_codes(bytes, codes);
-    std::memcpy(to, bytes, 32);
-    if (second) std::memcpy(to + set_bytes, bytes + 32, 32);
-}
-
-// Sets [from, from + count) of int5 weights widened into `codes` and `floats` (WideInt5Format's:
-// each set's scales, then its offsets).
-void widen_int5(const FifthBit<FactoredInt4Format>& format, const uint8_t* int5, int64_t from, int64_t count, int64_t k,
-                uint8_t* codes, float* floats) {
-    const int64_t blocks = k / BLOCK, set_bytes = blocks * 160, wide_bytes = blocks * 256;
-    for (int64_t p = 0; p < count; p += 2) {
-        const int64_t first = from + p, second = std::min(first + 1, from + count - 1);
-        for (int64_t b = 0; b < blocks; b++) {
-            for (int c = 0; c < 4; c++) {
-                const char* at = reinterpret_cast<const char*>(int5) + b * 160 + 32 * c;
-                const Int4Format::Run run = format.load(at + first * set_bytes, at + second * set_bytes, first, second, b, c);
-                store_pair(codes + p * wide_bytes + b * 256 + 64 * c, wide_bytes, p + 1 < count, run.low);
-                store_pair(codes + p * wide_bytes + b * 256 + 64 * c + 32, wide_bytes, p + 1 < count, run.high);
-            }
-            const Int4Format::Scales s = format.scales_of(first, second, b);
-            for (const auto& [at, v] : {std::pair{b, s.s}, std::pair{blocks + b, s.offsets}}) {
-                store8(floats + (p * 2 * blocks + at) * 8, v.low());
-                if (p + 1 < count) store8(floats + ((p + 1) * 2 * blocks + at) * 8, v.high());
-            }
-        }
-    }
-}
-
-// A prompt's product for weights whose codes the tiles would unpack (int5, Q8_0's rows): each thread
+// A prompt's product for weights whose codes the tiles would unpack (Q8_0's rows): each thread
 // widens its sets a few at a time into bytes and float32 scales (about WIDE_BYTES, which stay in
 // cache: widen(from, count, codes, floats)), and every row's tiles read those as int8's read
 // theirs (tile<R, NZ>(row, pairs, codes, floats, y of the sets)): the unpacking and the scales'
@@ -785,28 +720,6 @@ void widened(Y* y, int64_t rows, int64_t n, int64_t k, int threads, const Widen&
             });
         }
     }, 2 * INT_NZ);
-}
-
-extern "C" void linear_int5(const int8_t* xq, const float* xd, const int32_t* xsum, const uint8_t* codes,
-                            const uint8_t* scales, const uint8_t* offsets, const void* super_scales,
-                            const void* super_offsets, int super_type, void* y, int64_t rows, int64_t n, int64_t k, int y_type,
-                            int threads) {
-    const int64_t groups = k / BLOCK;
-    const Int4Format format{scales, offsets, super_type, groups, 1};
-    if (rows < FACTORED_ROWS) {
-        integer_linear({xq, xd, xsum}, FifthBit<FactoredInt4Format>{{format, super_scales, super_offsets, k / 256, 8}}, codes, y,
-                       rows, n, k, y_type, threads);
-        return;
-    }
-    const FifthBit<FactoredInt4Format> factored{{format, super_scales, super_offsets, k / 256, 8}};
-    as_float_type(y, y_type, [&]<typename Y>(const Y*) {
-        widened<INT_MR>(static_cast<Y*>(y), rows, n, k, threads, [&](int64_t from, int64_t sets, uint8_t* wide, float* floats) {
-            widen_int5(factored, codes, from, sets, k, wide, floats);
-        }, [&]<int R, int NZ>(int64_t m, const SetPairs<NZ>& pairs, const uint8_t* wide, const float* floats, Y* y_sets) {
-            const WideInt5Format format{{floats, floats + groups * 8, F32, 2 * groups, 1}};  // each set's scales, then its offsets
-            integer_tile<R, NZ>({xq, xd, xsum}, format, wide, y_sets, n, k, m, pairs, false);
-        });
-    });
 }
 
 // --- Q8_0 blocks where a GGUF file maps them -----------------------------------------------------
@@ -942,8 +855,6 @@ extern "C" void linear_int8(const int8_t*, const float*, const int32_t*, const i
                             int64_t, int64_t, int, int, int) {}
 extern "C" void linear_int4(const int8_t*, const float*, const int32_t*, const uint8_t*, const void*, const void*,
                             const void*, const void*, int64_t, void*, int64_t, int64_t, int64_t, int64_t, int, int, int) {}
-extern "C" void linear_int5(const int8_t*, const float*, const int32_t*, const uint8_t*, const uint8_t*, const uint8_t*,
-                            const void*, const void*, int, void*, int64_t, int64_t, int64_t, int, int) {}
 extern "C" void linear_q8_0(const int8_t*, const float*, const int32_t*, const uint8_t*, void*, int64_t, int64_t, int64_t, int,
                             int) {}
 

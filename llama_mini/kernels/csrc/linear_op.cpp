@@ -1,5 +1,5 @@
-// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_int5, linear_q8_0 and linear_q6_k over
-// the kernels of linear.cpp and q6_k.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
+// The torch operators llama_mini::linear_dense, linear_int8, linear_int4, linear_q8_0 and linear_k_quant over
+// the kernels of linear.cpp and k_quants.cpp (y = x W^T for any number of rows of x, in x's dtype), and matvec_available, which
 // tells the Python side whether this build has the vector kernels at all. Inference only (no
 // autograd): the Python side calls them without gradients and runs the layers' own code otherwise.
 
@@ -148,28 +148,6 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
     return call.y;
 }
 
-at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                   const at::Tensor& super_scales, const at::Tensor& super_offsets) {
-    TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kByte && codes.size(1) % (5 * 256) == 0,
-                "llama_mini::linear_int5: contiguous uint8 codes (rows / 8, 5 * inputs), inputs a multiple of 256");
-    const int64_t n = codes.size(0) * 8, k = codes.size(1) / 5;
-    for (const at::Tensor* t : {&scales, &offsets})
-        TORCH_CHECK(t->dim() == 2 && t->size(0) == codes.size(0) && t->size(1) == k / 32 * 8 && t->is_contiguous() &&
-                        t->scalar_type() == at::kByte,
-                    "llama_mini::linear_int5: uint8 scales and offsets (rows / 8, inputs / 32 * 8)");
-    for (const at::Tensor* t : {&super_scales, &super_offsets})
-        TORCH_CHECK(t->dim() == 2 && t->size(0) == codes.size(0) && t->size(1) == k / 256 * 8 && t->is_contiguous() &&
-                        t->scalar_type() == super_scales.scalar_type(),
-                    "llama_mini::linear_int5: super_scales and super_offsets (rows / 8, inputs / 256 * 8) of one dtype");
-    const int super_type = float_type(super_scales, "super_scales");
-    const IntegerCall call = integer_call(x, n, k);
-    ::linear_int5(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
-                  scales.const_data_ptr<uint8_t>(), offsets.const_data_ptr<uint8_t>(), super_scales.const_data_ptr(),
-                  super_offsets.const_data_ptr(), super_type, call.y.mutable_data_ptr(), call.rows, n, k, float_type(call.y, "the input"),
-                  threads_for(call.rows, n, k));
-    return call.y;
-}
-
 at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks) {
     TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(0) % 8 == 0 &&
                     blocks.size(1) % 34 == 0,
@@ -181,13 +159,15 @@ at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks) {
     return call.y;
 }
 
-at::Tensor q6_k_op(const at::Tensor& x, const at::Tensor& blocks) {
-    TORCH_CHECK(blocks.dim() == 3 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte && blocks.size(2) == 210,
-                "llama_mini::linear_q6_k: a GGUF file's Q6_K rows, contiguous uint8 (rows, inputs / 256, 210)");
+at::Tensor k_quant_op(const at::Tensor& x, const at::Tensor& blocks) {
+    TORCH_CHECK(blocks.dim() == 3 && blocks.is_contiguous() && blocks.scalar_type() == at::kByte &&
+                    (blocks.size(2) == 176 || blocks.size(2) == 210),
+                "llama_mini::linear_k_quant: a GGUF file's Q5_K or Q6_K rows, contiguous uint8 (rows, inputs / 256, 176 or 210)");
     const int64_t n = blocks.size(0), k = blocks.size(1) * 256;
     const IntegerCall call = integer_call(x, n, k, 256);
-    ::linear_q6_k(call.x.codes.data(), call.x.scales.data(), blocks.const_data_ptr<uint8_t>(), call.y.mutable_data_ptr(), call.rows,
-                  n, k, float_type(call.y, "the input"), threads_for(call.rows, n, k));
+    const auto kernel = blocks.size(2) == 176 ? ::linear_q5_k : ::linear_q6_k;
+    kernel(call.x.codes.data(), call.x.scales.data(), blocks.const_data_ptr<uint8_t>(), call.y.mutable_data_ptr(), call.rows, n, k,
+           float_type(call.y, "the input"), threads_for(call.rows, n, k));
     return call.y;
 }
 
@@ -201,15 +181,13 @@ TORCH_LIBRARY_FRAGMENT(llama_mini, m) {
     m.def("linear_int8(Tensor x, Tensor weight, Tensor scales) -> Tensor");
     m.def("linear_int4(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, Tensor? super_scales=None, "
           "Tensor? super_offsets=None) -> Tensor");
-    m.def("linear_int5(Tensor x, Tensor codes, Tensor scales, Tensor offsets, Tensor super_scales, Tensor super_offsets) -> Tensor");
     m.def("linear_q8_0(Tensor x, Tensor blocks) -> Tensor");
-    m.def("linear_q6_k(Tensor x, Tensor blocks) -> Tensor");
+    m.def("linear_k_quant(Tensor x, Tensor blocks) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(llama_mini, CPU, m) {
     m.impl("linear_dense", llama_mini::dense_op);
     m.impl("linear_int8", llama_mini::int8_op);
     m.impl("linear_int4", llama_mini::int4_op);
-    m.impl("linear_int5", llama_mini::int5_op);
     m.impl("linear_q8_0", llama_mini::q8_0_op);
-    m.impl("linear_q6_k", llama_mini::q6_k_op);
+    m.impl("linear_k_quant", llama_mini::k_quant_op);
 }

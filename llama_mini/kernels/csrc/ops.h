@@ -15,10 +15,8 @@ at::Tensor dense_op(const at::Tensor& x, const at::Tensor& weight);
 at::Tensor int8_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales);
 at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const std::optional<at::Tensor>& offsets,
                    const std::optional<at::Tensor>& super_scales, const std::optional<at::Tensor>& super_offsets);
-at::Tensor int5_op(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& offsets,
-                   const at::Tensor& super_scales, const at::Tensor& super_offsets);
 at::Tensor q8_0_op(const at::Tensor& x, const at::Tensor& blocks);
-at::Tensor q6_k_op(const at::Tensor& x, const at::Tensor& blocks);
+at::Tensor k_quant_op(const at::Tensor& x, const at::Tensor& blocks);
 at::Tensor swiglu_op(const at::Tensor& a, const at::Tensor& b);
 void swiglu_in_place(at::Tensor& a, const at::Tensor& b);
 at::Tensor attention_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,

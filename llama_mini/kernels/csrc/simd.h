@@ -267,13 +267,9 @@ inline Int8Run int8_run(Ints16 w) { return {_mm512_xor_si512(w.v, _mm512_set1_ep
 inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
     return {_mm512_dpbusd_epi32(acc.v, w.unsigned_w, _mm512_set1_epi32(x4))};
 }
-// int4 and int5: codes 0..15 or 0..31 (unsigned). u4_dot2: each lane gains its row's
-// four codes of `a` times the activations xa, and of `b` times xb. vpdpbusd sums them in int32
-// at once, so the int16 sums of U4Sums (below, without VNNI) are int32 sums here.
+// int4: codes 0..15 (unsigned). vpdpbusd sums them in int32 at once, so the int16 sums of
+// U4Sums (below, without VNNI) are int32 sums here.
 using Codes16 = __m512i;
-inline Ints16 u4_dot2(Ints16 acc, Codes16 a, int32_t xa, Codes16 b, int32_t xb) {
-    return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc.v, a, _mm512_set1_epi32(xa)), b, _mm512_set1_epi32(xb))};
-}
 using U4Sums = Ints16;
 inline U4Sums u4_sums_zero() { return Ints16::all(0); }
 inline U4Sums u4_add(U4Sums acc, Codes16 codes, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, codes, _mm512_set1_epi32(x4))}; }
@@ -284,15 +280,6 @@ inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     low = _mm512_and_si512(w.v, mask);
     high = _mm512_and_si512(_mm512_srli_epi16(w.v, 4), mask);
 }
-// int5: the fifth bits of run c's codes (bits 2c and 2c + 1 of each byte of `bits`) added to them.
-inline void fifth_bits(Ints16 bits, int c, Codes16& low, Codes16& upper) {
-    const __m512i shifted = _mm512_srl_epi16(bits.v, _mm_cvtsi32_si128(2 * c)), bit = _mm512_set1_epi8(0x10);
-    low = _mm512_or_si512(low, _mm512_and_si512(_mm512_slli_epi16(shifted, 4), bit));
-    upper = _mm512_or_si512(upper, _mm512_and_si512(_mm512_slli_epi16(shifted, 3), bit));
-}
-// The 64 bytes of a run of codes: the first set's 32, then the second's; and back.
-inline void store_codes(uint8_t* p, Codes16 codes) { _mm512_storeu_si512(p, codes); }
-inline Codes16 as_codes(Ints16 w) { return w.v; }
 #else
 inline Ints16 int8_block_start(int32_t) { return Ints16::all(0); }
 struct Int8Run {  // a run of int8 weights, as int8_dot reads it: |w| and w (for its sign)
@@ -310,16 +297,6 @@ inline Ints16 int8_dot(Ints16 acc, const Int8Run& w, int32_t x4) {
 struct Codes16 {
     __m256i lo, hi;
 };
-// vpmaddubsw sums a row's products in pairs, in int16 lanes (two a row), and vpmaddwd widens
-// them to int32: four products of codes <= 63 and |x| <= 127 fit an int16 (4 63 127 = 32004),
-// so the pairs of two sets of codes are added before one widening.
-inline Ints16 u4_dot2(Ints16 acc, Codes16 a, int32_t xa, Codes16 b, int32_t xb) {
-    const __m256i x = _mm256_set1_epi32(xa), y = _mm256_set1_epi32(xb), ones = _mm256_set1_epi16(1);
-    const auto pairs = [&](__m256i ca, __m256i cb) {
-        return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(ca, x), _mm256_maddubs_epi16(cb, y)), ones);
-    };
-    return {_mm256_add_epi32(acc.lo, pairs(a.lo, b.lo)), _mm256_add_epi32(acc.hi, pairs(a.hi, b.hi))};
-}
 // int4's sums over a whole block, in the int16 pairs: its four runs of codes <= 15, low nibbles and
 // high, make sixteen products a lane, 16 15 127 = 30480, within an int16. One widening a block
 // (u4_total) instead of two a run: a prompt's int4 tiles are bound by these instructions.
@@ -339,20 +316,6 @@ inline void nibbles(Ints16 w, Codes16& low, Codes16& high) {
     const __m256i mask = _mm256_set1_epi8(0x0F);
     low = {_mm256_and_si256(w.lo, mask), _mm256_and_si256(w.hi, mask)};
     high = {_mm256_and_si256(_mm256_srli_epi16(w.lo, 4), mask), _mm256_and_si256(_mm256_srli_epi16(w.hi, 4), mask)};
-}
-inline void store_codes(uint8_t* p, Codes16 codes) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), codes.lo);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32), codes.hi);
-}
-inline Codes16 as_codes(Ints16 w) { return {w.lo, w.hi}; }
-inline void fifth_bits(Ints16 bits, int c, Codes16& low, Codes16& upper) {
-    const __m128i count = _mm_cvtsi32_si128(2 * c);
-    const __m256i bit = _mm256_set1_epi8(0x10);
-    const __m256i lo = _mm256_srl_epi16(bits.lo, count), hi = _mm256_srl_epi16(bits.hi, count);
-    low = {_mm256_or_si256(low.lo, _mm256_and_si256(_mm256_slli_epi16(lo, 4), bit)),
-           _mm256_or_si256(low.hi, _mm256_and_si256(_mm256_slli_epi16(hi, 4), bit))};
-    upper = {_mm256_or_si256(upper.lo, _mm256_and_si256(_mm256_slli_epi16(lo, 3), bit)),
-             _mm256_or_si256(upper.hi, _mm256_and_si256(_mm256_slli_epi16(hi, 3), bit))};
 }
 #endif
 
