@@ -47,6 +47,7 @@ FINGERPRINTS = {
     "quant.mapped_q8_0:q8_0_codes_and_scales": "d88db42356e12c0a",
     "quant.mapped_q8_0:MappedQ8_0Linear.codes": "6a495c4d3bb7f0d7",
     "quant.mapped_q8_0:MappedQ8_0Linear.block_scales": "b1fcceb76c338621",
+    "quant.layers:Int4Linear.__init__": "ed9e32c9ed7c1331",
     "quant.layers:Int4Linear.forward": "207fbc6f4f6086ac",
     "quant.layers:Int4Linear.dequantize": "7aa01d0d5aeffaf2",
     "quant.layers:Int4Linear.codes": "de8c10939a988929",

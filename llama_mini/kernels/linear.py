@@ -120,7 +120,7 @@ class KernelInt4Linear(IntegerKernel, Int4Linear):
     """Int4Linear on the integer kernel."""
 
     layer = "int4 kernel"
-    computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("forward", "dequantize", "codes",
+    computes = DEFINITION + tuple(f"quant.layers:Int4Linear.{name}" for name in ("__init__", "forward", "dequantize", "codes",
                                                                                   "group_scales_and_offsets", "factored",
                                                                                   "symmetric_offsets"))
 

@@ -132,7 +132,8 @@ def _self_check(ops) -> None:
                 (ops.linear_int8(x, pack_int8(codes), interleave_rows(halves)),
                  xq @ (codes.double() * halves.double().repeat_interleave(32, dim=1)).t()),
                 (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), interleave_rows(offsets)), xq @ int4.t()),
-                (ops.linear_int4(x, pack_int4(nibbles), *map(interleave_rows, (*factors, *supers))), xq @ factored.t()),
+                (ops.linear_int4(x, pack_int4(nibbles), *map(interleave_rows, (*factors, *supers))),
+                 quantized_activations(x, 160).double() @ factored.t()),  # factored: activations per super-group
                 (ops.linear_int4(x, pack_int4(nibbles), interleave_rows(group_scales), None),  # symmetric: offsets -8 scales
                  xq @ ((nibbles.double() - 8).unflatten(-1, (5, 64)) * group_scales.double()[..., None]).flatten(-2).t()),
                 *((ops.linear_k_quant(rows, blocks), quantized_activations(rows, 256).double() @ w.t())

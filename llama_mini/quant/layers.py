@@ -24,6 +24,8 @@ kernels (kernels/matvec.py) are held to; here it is computed directly (quantized
   as llama.cpp's K-quants do (super_group_size): a float factor per super-group of inputs
   times a uint8 per group, 4.63 bits a weight where float32 per group takes 6; their products
   are the scales and offsets, exact in float32 for Q4_K's 16-bit floats and 6-bit integers.
+  Such a layer rounds its activations in blocks of its super-group (activation_block), as
+  llama.cpp rounds a K-quant's (its Q8_K, 256 inputs for Q4_K).
 The layers of GGUF's Q5_K and Q6_K blocks (k_quants.py) compute the same function with the
 activations in blocks of 256, as llama.cpp computes its K-quants.
 
@@ -193,10 +195,9 @@ class Int4Linear(nn.Module):
     """y = quantized_activations(x) W^T with W stored as 4-bit codes in groups along the input,
     each with a scale and an offset, rows in sets of eight (layout.py) or, once hold_plain_rows is
     called, plain rows of two codes a byte. With super_group_size, scales and offsets are uint8
-    factors of float super_scales and super_offsets, one per super-group of inputs. Symmetric,
-    each group's offset is -8 times its scale (llama.cpp's Q4_0: w = d (q - 8)), so none is held."""
-
-    activation_block = BLOCK
+    factors of float super_scales and super_offsets, one per super-group of inputs, and the
+    activations are rounded in blocks of a super-group. Symmetric, each group's offset is -8 times
+    its scale (llama.cpp's Q4_0: w = d (q - 8)), so none is held."""
 
     def __init__(self, in_features: int, out_features: int, group_size: int = DEFAULT_GROUP_SIZE,
                  dtype=torch.float32, device=None, super_group_size: int = 0, symmetric: bool = False):
@@ -204,6 +205,7 @@ class Int4Linear(nn.Module):
         check_int4_shape(in_features, out_features, group_size)
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         self.rows_of_8, self.super_group_size, self.symmetric = True, super_group_size, symmetric
+        self.activation_block = super_group_size or BLOCK  # kept when hold_plain_rows multiplies the factors out
         sets, groups = out_features // ROW_SET, in_features // group_size
         factors = torch.uint8 if super_group_size else dtype
         self.register_buffer("weight", torch.empty(sets, 4 * in_features, dtype=torch.uint8, device=device))

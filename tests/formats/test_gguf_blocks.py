@@ -324,14 +324,16 @@ def test_a_prompts_tokens_are_looked_up_a_few_rows_at_a_time_to_the_files_rows(k
 
 def test_logits_are_the_dequantized_files_to_within_the_activations_rounding(q4_k_m):
     """The integer layers round their inputs to int8 in blocks of 32 (llama.cpp's Q8_0
-    activations): the logits are the float32 model's to within that, and on the CPU kernels
+    activations), the K-quants' in blocks of 256 (its Q8_K): the logits are the float32 model's to
+    within that (on this file of random weights 6.4% of their spread; 2.3% with Q4_K's in blocks
+    of 32, 1.3% with every layer's; the same top token either way), and on the CPU kernels
     they are model.py's own code's to float tolerance, but for an input the two round to
     neighbouring codes (the kernels' sums differ from torch's in the last bits, and now and then
     that tips a rounding: a code one apart, in one position's logits)."""
     blocks, dequantized = load_checkpoint(q4_k_m[0]), load_checkpoint(q4_k_m[0], dtype=torch.float32)
     with torch.inference_mode():
         ours, reference = blocks(PROMPT), dequantized(PROMPT)
-        assert ((ours - reference).pow(2).mean() / reference.var()).sqrt() < 0.05
+        assert ((ours - reference).pow(2).mean() / reference.var()).sqrt() < 0.08
         assert (ours.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
         fast = use_cpu_kernels(use_fused_rmsnorm(blocks))
         if on_kernels(fast):

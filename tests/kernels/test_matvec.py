@@ -150,13 +150,14 @@ def test_int8_matches_float64_with_activations_rounded_in_blocks_of_32(ops, dtyp
 def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, rows):
     """Scales and offsets as llama.cpp's Q4_K holds them: uint8 factors per group of 32, float32
     per super-group of 256; each group's products, then the int4 function. From 16 rows they are
-    multiplied out once for the call (csrc/linear.cpp), for fewer in the tiles. Without VNNI a
-    block's products are summed in int16 before widening: the largest codes and activations too."""
+    multiplied out once for the call (csrc/linear.cpp), for fewer in the tiles; the activations are
+    rounded in blocks of 256, as llama.cpp rounds Q4_K's. Without VNNI a block's products are summed
+    in int16 before widening: the largest codes and activations too."""
     from llama_mini.quant.layers import Int4Linear
 
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 768, generator=g).to(dtype)
-    x[-1, :32] = 1.0  # a block of codes 127: with row 2's codes 15, a block's largest sums (int16 pairs, csrc/simd.h)
+    x[-1, :32] = 8.0  # its block's absmax, codes 127: with row 2's codes 15, a block's largest sums (int16 pairs, csrc/simd.h)
     codes = torch.randint(0, 16, (48, 768), generator=g, dtype=torch.uint8)
     codes[2] = 15
     factors = torch.randint(0, 64, (2, 48, 24), generator=g, dtype=torch.uint8)
@@ -167,7 +168,8 @@ def test_factored_int4_matches_float64_with_scales_multiplied_out(ops, dtype, ro
     assert all(torch.equal(a.double(), b) for a, b in zip(layer.group_scales_and_offsets(), (scales, offsets)))  # exact
     w = (codes.double().unflatten(-1, (24, 32)) * scales[..., None] + offsets[..., None]).flatten(-2)
     got = ops.linear_int4(x, layer.weight, layer.scales, layer.offsets, layer.super_scales, layer.super_offsets)
-    close(got, quantized_activations(x).double() @ w.t(), dtype)
+    assert layer.activation_block == 256
+    close(got, quantized_activations(x, 256).double() @ w.t(), dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

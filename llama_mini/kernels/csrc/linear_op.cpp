@@ -140,8 +140,15 @@ at::Tensor int4_op(const at::Tensor& x, const at::Tensor& codes, const at::Tenso
         super_group = k / (super_width / 8);
     }
     const int dtype = float_type(supers[0] ? *super_scales : scales, "the scales");
-    const IntegerCall call = integer_call(x, n, k);
-    ::linear_int4(call.x.codes.data(), call.x.scales.data(), call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
+    const IntegerCall call = integer_call(x, n, k, super_group ? super_group : 32);  // factored: activations per super-group
+    thread_local std::vector<float> per_block;  // each block of 32's activation scale, the kernel's operand
+    const float* xd = call.x.scales.data();
+    if (super_group) {
+        per_block.resize(call.rows * k / 32);
+        for (size_t i = 0; i < per_block.size(); i++) per_block[i] = xd[i / (super_group / 32)];
+        xd = per_block.data();
+    }
+    ::linear_int4(call.x.codes.data(), xd, call.x.sums.data(), codes.const_data_ptr<uint8_t>(),
                   scales.const_data_ptr(), offsets ? offsets->const_data_ptr() : nullptr, supers[0], supers[1], super_group,
                   call.y.mutable_data_ptr(), call.rows, n, k, group, dtype, float_type(call.y, "the input"),
                   threads_for(call.rows, n, k));
