@@ -6,7 +6,7 @@ rows, and its time is arithmetic. torch's CPU kernels read the weights slowly at
 int8 and int4 kernels convert every weight to float, and its bfloat16 products are slow on CPUs
 without bf16 arithmetic. The linear operators compute a tile of rows against a few weight rows
 at a time, for any number of rows, each output summed in one order whatever the rows beside it;
-integer weights meet the activations rounded to int8 in blocks of 32 (256 for Q5_K and Q6_K; quant/layers.py's
+integer weights meet the activations rounded to int8 in blocks of 32 (256 for the K-quants, Q4_K's too; quant/layers.py's
 definition, as llama.cpp does) as integers. Float weights (float32, bfloat16, float16) are held
 in panels of sixteen outputs, which prompts read at BLAS speed or faster (KernelLinear.hold_panels).
 
