@@ -242,11 +242,12 @@ def load_gguf_blocks(path: Path, converter=None):
     needed = sum(4 * info.numel if info.type in FLOATS else held_bytes(info.type, info.shape) for info in infos)
     check_free_memory(needed, f"{path} at its own precision", torch.device("cpu"),
                       "close what else holds memory, or take a smaller file (a lower-bit type or a smaller model)")
-    floats, kinds, layers = {}, {}, {}
+    floats, kinds, layers, mapped = {}, {}, {}, []
     for ours, theirs in names.items():
         info = file.tensors[theirs]
-        if info.type in FLOATS:
-            floats[ours] = file.tensor(theirs).float()
+        if info.type in FLOATS:  # a norm: a copy of its own, so that a forward reads no page but the mapped layers'
+            floats[ours] = file.tensor(theirs).to(torch.float32, copy=True)
+            file.release(theirs)
             continue
         try:
             layer = layer_from_blocks(info.type, file.blocks(theirs), info.shape, converter)
@@ -254,6 +255,7 @@ def load_gguf_blocks(path: Path, converter=None):
             raise ValueError(f"{path}: tensor {theirs}: {e}") from None
         if isinstance(layer, (MappedQ8_0Linear, KQuantLinear)):  # the file's pages are the layer's
             file.map_pages(theirs)
+            mapped.append(theirs)
         else:  # a copy of its own: the file's pages are not read again
             file.release(theirs)
         return_freed_memory()
@@ -263,6 +265,7 @@ def load_gguf_blocks(path: Path, converter=None):
         if child == "tok_embeddings":
             layer = QuantizedEmbedding(layer)
         setattr(model.get_submodule(parent), child, layer)
+    file.keep_only(mapped)
     model.load_state_dict(floats, strict=False, assign=True)
     if args.tie_embeddings:  # the head is the embedding's own table, one copy of it
         if isinstance(model.tok_embeddings, QuantizedEmbedding):

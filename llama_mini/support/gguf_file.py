@@ -264,7 +264,27 @@ class GGUFFile:
         info, page = self.tensors[name], mmap.PAGESIZE
         first, end = -(-info.start // page) * page, (info.start + info.nbytes) // page * page
         if end > first:
-            self.map.madvise(mmap.MADV_DONTNEED, first, end - first)
+            self._drop(first, end - first)
+
+    def keep_only(self, names) -> None:
+        """Drop every page of the map but those of the tensors named (the layers that read the file
+        where it is mapped). Reading a page maps the whole folio of the page cache around it, up to
+        megabytes on recent kernels, so pages already let go come back beside those read later (a
+        norm, the edge of a neighbour): once all is copied out, this lets them go for good."""
+        page = mmap.PAGESIZE
+        kept = sorted((info.start // page * page, -(-(info.start + info.nbytes) // page) * page)
+                      for info in (self.tensors[name] for name in names))
+        start = 0
+        for first, end in [*kept, (len(self.map), len(self.map))]:
+            if first > start:
+                self._drop(start, first - start)
+            start = max(start, end)
+
+    def _drop(self, start: int, length: int) -> None:
+        """Let pages go: read from the file again should they be touched. Where the system has no
+        madvise (Windows), they stay."""
+        if hasattr(self.map, "madvise"):
+            self.map.madvise(mmap.MADV_DONTNEED, start, length)
 
 
 def check_llama(fields: dict, source) -> None:

@@ -2,6 +2,7 @@
 read (llama_mini/quant/gguf_blocks.py), checked against gguf.quants, llama.cpp's own
 dequantization in numpy, and against the same file dequantized to float32."""
 
+import mmap
 import sys
 
 import gguf
@@ -662,6 +663,32 @@ def test_a_k_quant_file_runs_from_its_mapped_bytes_on_the_kernels_and_off(tmp_pa
     native = load_checkpoint(tmp_path / "native")
     assert {record["layer"] for record in native.quantization["layers"].values()} == {kind.name.lower()}
     assert same_bytes(native, models["off"])
+
+
+def test_after_loading_the_process_holds_no_page_of_the_file_but_its_mapped_layers(tmp_path):
+    """Loading copies out what it converts (here the Q4_0 matrices) and the norms, and lets their
+    pages go; the layers that read the file where it is mapped (here the Q6_K head) keep theirs.
+    Reading one page maps the whole folio of the page cache around it, megabytes on recent
+    kernels, so a forward that read a norm where it lay brought its neighbours back (a 110M Q4_0
+    file peaked 1.5x its size, where its layers hold 1.0x): now a forward leaves the file's
+    resident bytes at the head's."""
+    import argparse
+
+    from llama_mini.inference.loading import load_model
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("reads /proc/self/smaps")
+    args = ModelArgs(**{**ARGS.__dict__, "n_layers": 8})
+    names = gguf_names(Transformer(args))
+    types = {name: T.Q4_0 for name, array in names.items() if array.ndim == 2} | {"output.weight": T.Q6_K}
+    path, tensors = write_file(tmp_path / "Q4_0.gguf", types, args)
+    flags = argparse.Namespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
+    model = load_model(flags, path, "gguf", argparse.Namespace(model_path=None, n_words=args.vocab_size))
+    with torch.inference_mode():
+        model.setup_cache(1, 32)
+        model(PROMPT)
+    head = tensors["output.weight"][0].nbytes
+    assert head <= resident_bytes_of_mapping(model.output.blocks.data_ptr()) <= head + 2 * mmap.PAGESIZE
 
 
 def resident_bytes_of_mapping(address: int) -> int:
