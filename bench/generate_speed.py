@@ -31,6 +31,7 @@ divided by the latter's std.
     python bench/generate_speed.py --compile           # llama_mini with torch.compile as well
     python bench/generate_speed.py --kernels off --compile --no-peers   # llama_mini off its kernels, eager and compiled
     python bench/generate_speed.py --profile           # where a decoding step's time goes
+    python bench/generate_speed.py --gguf FILE ...      # a user's GGUF files, llama_mini and llama.cpp on each
 """
 
 import argparse
@@ -427,7 +428,16 @@ def main():
     p.add_argument("--profile", action="store_true", help="print a profile of llama_mini's fp32 decoding instead")
     p.add_argument("--threads", type=int, help="torch and llama.cpp CPU threads (default: torch's choice)")
     p.add_argument("--tokenizer", default=LLAMA2_TOKENIZER, help="Llama-2 tokenizer.model, for the GGUF export llama.cpp reads")
+    p.add_argument("--gguf", nargs="+", type=Path, metavar="FILE",
+                   help="GGUF files instead, each run by llama_mini and by llama.cpp side by side (bench/gguf_speed.py)")
     args = p.parse_args()
+    if args.gguf:
+        import gguf_speed
+        threads = ["--threads", str(args.threads)] if args.threads else []
+        for length in args.prompt_lengths:
+            gguf_speed.main([*map(str, args.gguf), "--prompt", str(length), "--new", str(args.tokens), "--rounds", str(args.rounds),
+                             *threads])
+        return
     if args.quick:
         args.sizes, args.tokens, args.rounds, args.prompt_lengths, args.positions = ["tiny"], 8, 1, [64], []
     if args.threads:

@@ -1,14 +1,19 @@
 """A GGUF file run by llama_mini and by llama.cpp side by side: peak memory, load time, prompt
-and decoding speed, each in a fresh process, on the very same file.
+and decoding speed, each in its own process, on the very same file.
 
 llama_mini runs the file as generate.py does with default flags (inference.loading.load_model:
 the file's own precision, the CPU kernels where they run); llama.cpp through llama-cpp-python
-(Llama(model_path), its own threads set to the same count). Each process loads the file, reads
-a prompt of random tokens, then decodes greedily; peak memory is the process's VmHWM, less the
-same process's before loading (Python, torch, the modules that read the file and the CPU kernels,
-or llama.cpp's library), and shown again less the KV cache each holds (llama_mini's float32 for
-the positions run, llama.cpp's float16 for its context). Runs alternate between
-the two, and each figure is the best of --repeats.
+(Llama(model_path), its own threads set to the same count). Each process loads the file, then runs
+rounds: a prompt of random tokens read from an empty cache, then greedy decoding. Peak memory is
+the process's VmHWM after its first round (a load and one generation, as generate.py's), less
+the same process's before loading (Python, torch, the modules that read the file and the CPU
+kernels, or llama.cpp's library), and shown again less the KV cache each holds (llama_mini's for
+the positions run, llama.cpp's float16 for its context).
+
+Speed on a shared machine moves by 10-30% from minute to minute, so the two programs take turns
+a round at a time, both loaded, and each round of llama_mini is compared with llama.cpp's round
+beside it: the ratio shown is the median of those, with their range and the count of rounds in
+which llama_mini was at least as fast.
 
 --make writes the files first, as a user's would be made: a model of random weights at a
 named shape (Llama-3-8B's among them), written as an F16 GGUF a tensor at a time with Meta's
@@ -16,7 +21,7 @@ Llama-2 vocabulary (Llama-3's at 8B), then quantized by llama.cpp's own quantize
 (Q4_K_M: Q4_K with Q6_K here and there, as llama-quantize makes it).
 
     python bench/gguf_speed.py --make /tmp/gguf --shape 1B --types Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K
-    python bench/gguf_speed.py /tmp/gguf/1B-Q4_K_M.gguf /tmp/gguf/1B-Q8_0.gguf --prompt 256 --new 32
+    python bench/gguf_speed.py /tmp/gguf/1B-Q4_K_M.gguf /tmp/gguf/1B-Q8_0.gguf --prompt 256 --new 64
     LLAMA_MINI_ISA=avx2 python bench/gguf_speed.py ...     # llama_mini's AVX2 kernels, as llama.cpp's build
 """
 
@@ -24,8 +29,10 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,7 +60,8 @@ def prompt_tokens(n: int, vocab_size: int) -> list:
     return torch.randint(3, vocab_size, (n,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
+def run_llama_mini(path: str, prompt_len: int, new: int, threads: int):
+    """Loads the file as generate.py does; returns the load's figures and a round: a prompt, then decoding."""
     from types import SimpleNamespace
 
     from llama_mini.formats.checkpoint import detect_format
@@ -72,9 +80,11 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
     start = time.perf_counter()
     flags = SimpleNamespace(device="cpu", dtype=None, quantize=None, kernels="auto", compile=False)
     model = load_model(flags, Path(path), detect_format(Path(path)), open_tokenizer(path))
-    loaded = time.perf_counter()
+    load_s = time.perf_counter() - start
     tokens = torch.tensor([prompt_tokens(prompt_len, model.args.vocab_size)])
-    with torch.inference_mode():
+
+    @torch.inference_mode()
+    def one_round() -> dict:
         model.setup_cache(1, prompt_len + new)
         t = time.perf_counter()
         token = prefill(model, tokens)[0].argmax()
@@ -82,13 +92,13 @@ def run_llama_mini(path: str, prompt_len: int, new: int, threads: int) -> dict:
         t = time.perf_counter()
         for position in range(prompt_len, prompt_len + new):
             token = model(token.view(1, 1), position)[0, -1].argmax()
-        decode_s = time.perf_counter() - t
-    return {"load_s": loaded - start, "first_token_s": loaded - start + prompt_s, "prompt_tok_s": prompt_len / prompt_s,
-            "decode_tok_s": new / decode_s, "peak": vm("VmHWM") - before,
-            "kv": kv_cache_bytes(model.args, 1, prompt_len + new, model.kv_dtype())}
+        return {"prompt_s": prompt_s, "decode_s": time.perf_counter() - t}
+
+    return {"load_s": load_s, "before": before, "kv": kv_cache_bytes(model.args, 1, prompt_len + new, model.kv_dtype())}, one_round
 
 
-def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
+def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int):
+    """Loads the file with llama.cpp's own threads set to the same count; returns as run_llama_mini."""
     import llama_cpp
     import numpy as np
 
@@ -97,33 +107,93 @@ def run_llama_cpp(path: str, prompt_len: int, new: int, threads: int) -> dict:
     context = prompt_len + new + 8  # n_batch: llama-cpp-python keeps the scores of one batch's positions
     llm = llama_cpp.Llama(model_path=path, n_ctx=context, n_batch=max(512, context), n_ubatch=512, n_threads=threads,
                           n_threads_batch=threads, verbose=False)
-    loaded = time.perf_counter()
+    load_s = time.perf_counter() - start
     tokens = prompt_tokens(prompt_len, llm.n_vocab())
-    t = time.perf_counter()
-    llm.eval(tokens)
-    prompt_s = time.perf_counter() - t
-    t = time.perf_counter()
-    for _ in range(new):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-    decode_s = time.perf_counter() - t
+
+    def one_round() -> dict:
+        llm.reset()
+        t = time.perf_counter()
+        llm.eval(tokens)
+        prompt_s = time.perf_counter() - t
+        t = time.perf_counter()
+        for _ in range(new):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        return {"prompt_s": prompt_s, "decode_s": time.perf_counter() - t}
+
     field = {key: int(llm.metadata[f"llama.{key}"]) for key in ("block_count", "embedding_length", "attention.head_count",
                                                                  "attention.head_count_kv")}
     kv = 2 * llm.n_ctx() * field["block_count"] * field["attention.head_count_kv"] * field["embedding_length"] \
         // field["attention.head_count"] * 2  # keys and values, float16 (llama.cpp's default)
-    return {"load_s": loaded - start, "first_token_s": loaded - start + prompt_s, "prompt_tok_s": prompt_len / prompt_s,
-            "decode_tok_s": new / decode_s, "peak": vm("VmHWM") - before, "kv": kv}
+    return {"load_s": load_s, "before": before, "kv": kv}, one_round
 
 
 RUNNERS = {"llama_mini": run_llama_mini, "llama.cpp": run_llama_cpp}
 
 
-def in_child(runner: str, path: Path, prompt_len: int, new: int, threads: int) -> dict:
-    command = [sys.executable, __file__, "--child", runner, str(path), "--prompt", str(prompt_len), "--new", str(new),
-               "--threads", str(threads)]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
-    if result.returncode != 0:
-        sys.exit(f"{runner} on {path} failed:\n{result.stderr[-2000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+def serve(runner: str, path: str, prompt_len: int, new: int, threads: int) -> None:
+    """The child's side: load, say so, then run a round each time the parent asks, with the peak memory so far."""
+    loaded, one_round = RUNNERS[runner](path, prompt_len, new, threads)
+    print(json.dumps(loaded), flush=True)
+    for _ in sys.stdin:
+        print(json.dumps({**one_round(), "peak": vm("VmHWM") - loaded["before"]}), flush=True)
+
+
+class Child:
+    """One runner in its own process, holding the loaded file between rounds, so that the two
+    programs' rounds can take turns a few seconds apart and meet the same machine."""
+
+    def __init__(self, runner: str, path: Path, args):
+        self.name = f"{runner} on {path}"
+        self.errors = tempfile.TemporaryFile("w+")
+        command = [sys.executable, __file__, "--child", runner, str(path), "--prompt", str(args.prompt), "--new",
+                   str(args.new), "--threads", str(args.threads)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                        text=True, cwd=ROOT)
+        self.loaded = self.answer()
+
+    def answer(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            self.errors.seek(0)
+            sys.exit(f"{self.name} failed:\n{self.errors.read()[-2000:]}")
+        return json.loads(line)
+
+    def one_round(self) -> dict:
+        self.process.stdin.write("round\n")
+        self.process.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def measure(path: Path, args) -> tuple:
+    """--repeats fresh pairs of processes, each loading the file (who loads first alternates), then
+    --rounds rounds each, taking turns (who goes first alternates). Returns each runner's loads (with
+    the peak memory after its first round: a load and one generation, as generate.py's) and the
+    rounds, paired."""
+    loads, rounds = {runner: [] for runner in RUNNERS}, []
+    for repeat in range(args.repeats):
+        with open(path, "rb") as f:  # in the page cache, so that neither load is the one that reads the disk
+            while f.read(1 << 24):
+                pass
+        order = list(RUNNERS)[::(-1) ** repeat]
+        children = {runner: Child(runner, path, args) for runner in order}
+        for turn in range(args.rounds):
+            pair = {runner: children[runner].one_round() for runner in order[::(-1) ** turn]}
+            rounds.append({runner: pair[runner] for runner in RUNNERS})
+        for runner, child in children.items():
+            loads[runner].append({**child.loaded, "peak": rounds[-args.rounds][runner]["peak"]})
+            child.close()
+    return loads, rounds
+
+
+def paired(rounds: list, key: str) -> str:
+    """llama_mini's speed over llama.cpp's in the same turn: the median, the range, and how often it was at least as fast."""
+    ratios = sorted(r["llama.cpp"][key] / r["llama_mini"][key] for r in rounds)
+    return (f"**{statistics.median(ratios):.2f}** ({ratios[0]:.2f}-{ratios[-1]:.2f}, "
+            f"{sum(ratio >= 1 for ratio in ratios)}/{len(ratios)})")
 
 
 def write_random_gguf(path: Path, args, tokenizer: Path) -> None:
@@ -174,49 +244,48 @@ def make(folder: Path, shape: str, types: list, threads: int) -> None:
             quantize_with_llama_cpp(f16, out, kind.removesuffix("_M"), pure=False, threads=threads)
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="*", type=Path)
     p.add_argument("--make", type=Path, help="write random-weight files of --shape in --types to this folder first")
     p.add_argument("--shape", choices=SHAPES, default="1B")
     p.add_argument("--types", nargs="+", default=["Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"])
     p.add_argument("--prompt", type=int, default=256, help="prompt tokens (default: %(default)s)")
-    p.add_argument("--new", type=int, default=32, help="tokens decoded (default: %(default)s)")
+    p.add_argument("--new", type=int, default=64, help="tokens decoded (default: %(default)s)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5, help="rounds per pair of processes (default: %(default)s)")
     p.add_argument("--child", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.child:
-        print(json.dumps(RUNNERS[args.child](str(args.files[0]), args.prompt, args.new, args.threads)))
-        return
+        return serve(args.child, str(args.files[0]), args.prompt, args.new, args.threads)
     files = list(args.files)
     if args.make:
         make(args.make, args.shape, args.types, args.threads)
         files += [args.make / f"{args.shape}-{kind}.gguf" for kind in args.types]
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, llama_mini's kernels built for "
           f"{os.environ.get('LLAMA_MINI_ISA') or 'this CPU'}, {args.threads} threads; prompt {args.prompt} tokens, "
-          f"{args.new} decoded; best of {args.repeats}\n")
+          f"{args.new} decoded; {args.repeats} pairs of processes x {args.rounds} rounds; memory and load: the best "
+          f"pair, speeds: the median round; ratios: the median of the rounds' (range, rounds at least as fast)\n")
     print("| file | MB | | peak memory (x file) | less the KV cache (x file) | load s | load and prompt s | prompt tok/s | "
           "decode tok/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in files:
-        best = {}
-        for _ in range(args.repeats):
-            for runner in RUNNERS:
-                r = in_child(runner, path, args.prompt, args.new, args.threads)
-                old = best.setdefault(runner, r)
-                best[runner] = {key: (min if key in ("load_s", "first_token_s", "peak") else max)(old[key], r[key]) for key in r}
-        size = path.stat().st_size
-        for runner, r in best.items():
-            rest = r["peak"] - r["kv"]
-            print(f"| {path.name} | {size / 1e6:,.0f} | {runner} | {r['peak'] / 1e6:,.0f} MB ({r['peak'] / size:.2f}x) | "
-                  f"{rest / 1e6:,.0f} MB ({rest / size:.2f}x) | {r['load_s']:.2f} | {r['first_token_s']:.2f} | {r['prompt_tok_s']:,.1f} | "
-                  f"{r['decode_tok_s']:.1f} |")
-        ours, theirs = best["llama_mini"], best["llama.cpp"]
-        print(f"| | | llama_mini / llama.cpp | {ours['peak'] / theirs['peak']:.2f} | "
-              f"{(ours['peak'] - ours['kv']) / (theirs['peak'] - theirs['kv']):.2f} | {ours['load_s'] / theirs['load_s']:.2f} | "
-              f"{ours['first_token_s'] / theirs['first_token_s']:.2f} | {ours['prompt_tok_s'] / theirs['prompt_tok_s']:.2f} | {ours['decode_tok_s'] / theirs['decode_tok_s']:.2f} |")
-
+        loads, rounds = measure(path, args)
+        size, figures = path.stat().st_size, {}
+        for runner in RUNNERS:
+            peak = min(load["peak"] for load in loads[runner])
+            load_s = min(load["load_s"] for load in loads[runner])
+            prompt_s = statistics.median(r[runner]["prompt_s"] for r in rounds)
+            decode_s = statistics.median(r[runner]["decode_s"] for r in rounds)
+            rest = peak - loads[runner][0]["kv"]
+            figures[runner] = (peak, rest, load_s, load_s + prompt_s)
+            print(f"| {path.name} | {size / 1e6:,.0f} | {runner} | {peak / 1e6:,.0f} MB ({peak / size:.2f}x) | "
+                  f"{rest / 1e6:,.0f} MB ({rest / size:.2f}x) | {load_s:.2f} | {load_s + prompt_s:.2f} | "
+                  f"{args.prompt / prompt_s:,.1f} | {args.new / decode_s:.1f} |")
+        ours, theirs = figures["llama_mini"], figures["llama.cpp"]
+        print(f"| | | llama_mini / llama.cpp | {ours[0] / theirs[0]:.2f} | {ours[1] / theirs[1]:.2f} | {ours[2] / theirs[2]:.2f} | "
+              f"{ours[3] / theirs[3]:.2f} | {paired(rounds, 'prompt_s')} | {paired(rounds, 'decode_s')} |")
 
 if __name__ == "__main__":
     main()
