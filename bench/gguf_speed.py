@@ -155,7 +155,8 @@ class Child:
         line = self.process.stdout.readline()
         if not line:
             self.errors.seek(0)
-            sys.exit(f"{self.name} failed:\n{self.errors.read()[-2000:]}")
+            last = (self.errors.read().strip().splitlines() or ["no message"])[-1]
+            sys.exit(f"{self.name} failed: {last}")
         return json.loads(line)
 
     def one_round(self) -> dict:
@@ -260,6 +261,8 @@ def main(argv=None):
     if args.child:
         return serve(args.child, str(args.files[0]), args.prompt, args.new, args.threads)
     files = list(args.files)
+    if missing := next((path for path in files if not path.is_file()), None):
+        sys.exit(f"error: {missing} is not a file; pass GGUF files, or --make a folder of them")
     if args.make:
         make(args.make, args.shape, args.types, args.threads)
         files += [args.make / f"{args.shape}-{kind}.gguf" for kind in args.types]
