@@ -16,7 +16,7 @@ from llama_mini.kernels import use_cpu_kernels
 from llama_mini.kernels.block import KernelBlock, block_on_kernels
 from llama_mini.kernels.linear import KernelLinear
 from llama_mini.kernels.operators import operators
-from llama_mini.quant.layers import quantized_activations
+from llama_mini.quant.layers import Int4Linear, Int8Linear, quantized_activations
 from llama_mini.quant.layout import interleave_rows, pack_int8, unpack_int8
 from llama_mini.model import KVCache, apply_rotary_emb, rope_cos_sin
 from fixtures import tiny_model
@@ -400,6 +400,47 @@ def test_a_nan_or_inf_in_an_integer_layers_input_gives_what_its_definition_gives
             got, expected = fast(x), layer(x)
         assert got[1].isnan().all() and expected[1].isnan().all(), position
         assert torch.equal(got[[0, 2, 3, 4]], fast(x[[0, 2, 3, 4]])) and not got[[0, 2, 3, 4]].isnan().any()
+
+
+def q8_0_layer(n, k, g):
+    """A GGUF file's Q8_0 rows as the kernels read them where the file maps them: per block of 32
+    inputs a float16 scale, then 32 int8 codes."""
+    from llama_mini.quant.mapped_q8_0 import MappedQ8_0Linear
+
+    scales = (torch.rand(n, k // 32, 1, generator=g) / 64).half().view(torch.uint8)
+    codes = torch.randint(-127, 128, (n, k // 32, 32), generator=g, dtype=torch.int8).view(torch.uint8)
+    return MappedQ8_0Linear(torch.cat((scales, codes), -1).view(n, -1), k)
+
+
+SHARED_BANDS = {"float32": lambda w, g: torch.nn.Linear(w.shape[1], w.shape[0], bias=False).requires_grad_(False),
+                "bfloat16 panels": lambda w, g: torch.nn.Linear(w.shape[1], w.shape[0], bias=False).bfloat16().requires_grad_(False),
+                "int8": lambda w, g: Int8Linear.from_weight(w), "int4": lambda w, g: Int4Linear.from_weight(w),
+                "factored int4": lambda w, g: factored_int4(w.shape[0], w.shape[1], g),
+                "symmetric int4": lambda w, g: Int4Linear.from_codes(torch.randint(0, 16, w.shape, generator=g, dtype=torch.uint8),
+                                                                     (torch.rand(w.shape[0], w.shape[1] // 32, generator=g) / 8).half(), None),
+                "Q8_0": lambda w, g: q8_0_layer(*w.shape, g), "Q5_K": lambda w, g: q5_k_layer(*w.shape, g)[0],
+                "Q6_K": lambda w, g: q6_k_layer(*w.shape, g)[0]}
+
+
+@pytest.mark.parametrize("kind", SHARED_BANDS)
+@pytest.mark.parametrize("rows", [1, 70])
+def test_every_kernel_gives_the_same_bits_however_its_threads_share_the_bands(ops, kind, rows):
+    """Threads take pieces of each other's bands as they finish theirs (csrc/simd.h,
+    for_row_bands), so who computes which rows changes from call to call. More threads than this
+    machine's cores make them finish unevenly; every call, on any count of threads, gives the
+    bits one thread gives."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(1024, 768, generator=g)
+    layer = use_cpu_kernels(torch.nn.Sequential(SHARED_BANDS[kind](w, g)))[0]
+    dtype = torch.bfloat16 if kind == "bfloat16 panels" else torch.float32
+    x = torch.randn(rows, 768, generator=g).to(dtype)
+    with torch.inference_mode():
+        alone = layer(x)
+        for threads in (2, 3, 5):
+            torch.set_num_threads(threads)
+            for _ in range(10):
+                assert torch.equal(layer(x), alone), threads
+    torch.set_num_threads(1)
 
 
 # A layer without inputs runs in a child process: a division by zero would kill the process.
