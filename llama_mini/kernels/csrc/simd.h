@@ -352,10 +352,13 @@ inline Floats16 set_pair_scales(const void* scales, int type, int64_t first, int
 // The uint8 factors of sets `first` and `second` for group g, as floats: (sets, groups, 8).
 inline Floats16 set_pair_factors(const void* factors, int64_t first, int64_t second, int64_t groups, int64_t g) {
     const auto eight = [&](int64_t set) {
-        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (set * groups + g) * 8));
-        return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+        return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(factors) + (set * groups + g) * 8));
     };
-    return Floats16::join(eight(first), eight(second));
+#ifdef SIMD_WIDE
+    return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(eight(first), eight(second))))};  // both sets at once
+#else
+    return Floats16::join(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(first))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight(second))));
+#endif
 }
 
 // --- Threads ------------------------------------------------------------------------
