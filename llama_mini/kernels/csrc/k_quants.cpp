@@ -291,7 +291,7 @@ struct Q5_K {
     // bytes t (sc) and 4 + t (m); t >= 4 in byte 8 + t's low (sc) and high (m) nibbles, with the top
     // two bits of bytes t - 4 (sc) and t (m).
     // Unpacked in a vector register, words q0, q1, q2 of the twelve bytes as lanes: through general
-    // registers, a decoding step's matrices read 1.04-1.15x slower.
+    // registers, a decoding step's matrices read up to 1.05x slower.
     static __m128i scales_and_mins(const uint8_t* block) {
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4));  // q0, q1, q2 and the block's next word
         const __m128i words = _mm_srlv_epi32(_mm_shuffle_epi32(q, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4));  // q0, q2, q1, q2 >> 4
