@@ -15,6 +15,10 @@ a round at a time, both loaded, and each round of llama_mini is compared with ll
 beside it: the ratio shown is the median of those, with their range and the count of rounds in
 which llama_mini was at least as fast.
 
+A decoding step reads every weight once, so beside each decoding speed is the rate at which it
+streams the file's tensors (all but the token embedding, of which a step looks up one row): one
+type streamed slower than another by the same program is bound by its tiles' steps, not by memory.
+
 --make writes the files first, as a user's would be made: a model of random weights at a
 named shape (Llama-3-8B's among them), written as an F16 GGUF a tensor at a time with Meta's
 Llama-2 vocabulary (Llama-3's at 8B), then quantized by llama.cpp's own quantizer to each type
@@ -37,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from gguf import GGUFReader
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "bench")]
@@ -190,6 +195,13 @@ def measure(path: Path, args) -> tuple:
     return loads, rounds
 
 
+def streamed_bytes(path: Path) -> int:
+    """The bytes of the file's tensors a decoding step reads: all but the token embedding, of
+    which it looks up one row, where the file has its own output head."""
+    sizes = {t.name: int(t.n_bytes) for t in GGUFReader(path).tensors}
+    return sum(sizes.values()) - (sizes.get("token_embd.weight", 0) if "output.weight" in sizes else 0)
+
+
 def paired(rounds: list, key: str) -> str:
     """llama_mini's speed over llama.cpp's in the same turn: the median, the range, and how often it was at least as fast."""
     ratios = sorted(r["llama.cpp"][key] / r["llama_mini"][key] for r in rounds)
@@ -271,11 +283,11 @@ def main(argv=None):
           f"{args.new} decoded; {args.repeats} pairs of processes x {args.rounds} rounds; memory and load: the best "
           f"pair, speeds: the median round; ratios: the median of the rounds' (range, rounds at least as fast)\n")
     print("| file | MB | | peak memory (x file) | less the KV cache (x file) | load s | load and prompt s | prompt tok/s | "
-          "decode tok/s |")
+          "decode tok/s (GB/s of the file) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for path in files:
         loads, rounds = measure(path, args)
-        size, figures = path.stat().st_size, {}
+        size, streamed, figures = path.stat().st_size, streamed_bytes(path), {}
         for runner in RUNNERS:
             peak = min(load["peak"] for load in loads[runner])
             load_s = min(load["load_s"] for load in loads[runner])
@@ -285,7 +297,7 @@ def main(argv=None):
             figures[runner] = (peak, rest, load_s, load_s + prompt_s)
             print(f"| {path.name} | {size / 1e6:,.0f} | {runner} | {peak / 1e6:,.0f} MB ({peak / size:.2f}x) | "
                   f"{rest / 1e6:,.0f} MB ({rest / size:.2f}x) | {load_s:.2f} | {load_s + prompt_s:.2f} | "
-                  f"{args.prompt / prompt_s:,.1f} | {args.new / decode_s:.1f} |")
+                  f"{args.prompt / prompt_s:,.1f} | {args.new / decode_s:.1f} ({streamed * args.new / decode_s / 1e9:.1f}) |")
         ours, theirs = figures["llama_mini"], figures["llama.cpp"]
         print(f"| | | llama_mini / llama.cpp | {ours[0] / theirs[0]:.2f} | {ours[1] / theirs[1]:.2f} | {ours[2] / theirs[2]:.2f} | "
               f"{ours[3] / theirs[3]:.2f} | {paired(rounds, 'prompt_s')} | {paired(rounds, 'decode_s')} |")
