@@ -73,12 +73,15 @@ inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-inline int32_t hsum(__m256i v) {
+// The sum of v's lanes, exact in int32, in every lane of the result (kept in a vector register for
+// whoever converts it there: k_quants.cpp's float_sum).
+inline __m128i lanes_total(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    return _mm_cvtsi128_si32(s);
+    return _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
 }
+
+inline int32_t hsum(__m256i v) { return _mm_cvtsi128_si32(lanes_total(v)); }
 
 // Eight floats stored as float32, or rounded to bfloat16 as float_to_bf16 does, or to float16.
 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
