@@ -9,7 +9,6 @@ under `torchrun --nproc_per_node=K train.py ...`.
 
 import argparse
 import os
-import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,6 +26,7 @@ from llama_mini.support.device import bfloat16_notice  # noqa: E402
 from llama_mini.formats import load_checkpoint  # noqa: E402
 from llama_mini.trainer import NonFiniteLoss  # noqa: E402
 from llama_mini.run.config import TrainConfig, add_arguments  # noqa: E402
+from llama_mini.run.distributed import exit_process  # noqa: E402
 from llama_mini.run.start import start_run  # noqa: E402
 from llama_mini.run.folder import METRICS, MetricsLog, report_losses  # noqa: E402
 from llama_mini.run.signals import GracefulStop  # noqa: E402
@@ -143,4 +143,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
