@@ -9,6 +9,10 @@ read the prompt and the time per decoding step are medians over rounds, the chec
 turns round after round so that the load of other processes falls on both alike.
 
     python bench/compare_commits.py OLD_CHECKOUT NEW_CHECKOUT [--rounds 5] [--sizes 15M 110M]
+    python bench/compare_commits.py OLD_CHECKOUT NEW_CHECKOUT --gguf FILE ...   # files, loaded as generate.py loads them
+
+With --gguf, each file takes the place of the seeded models: one variant, the file with
+generate.py's default flags (its own precision, the CPU kernels where they run).
 
 (a checkout of another commit: git worktree add /tmp/old COMMIT)
 """
@@ -25,7 +29,6 @@ SHAPES = {
     "15M": dict(dim=288, n_layers=6, n_heads=6, vocab_size=32000, multiple_of=32, max_seq_len=256),
     "110M": dict(dim=768, n_layers=12, n_heads=12, vocab_size=32000, hidden_dim=2048, max_seq_len=256),
 }
-VARIANTS = ("fp32", "bf16", "int8", "int4")
 
 # Runs in the checkout given as argv[1]: times and logits of every variant, as JSON and a .pt file.
 CHILD = r"""
@@ -41,14 +44,30 @@ except ImportError:  # before 0.2.0
 from llama_mini.kernels import on_kernels
 
 shape, out = json.loads(sys.argv[2]), sys.argv[3]
-prompt = torch.randint(0, shape["vocab_size"], (1, 128), generator=torch.Generator().manual_seed(1))
-results, logits = {}, {}
-for variant in ("fp32", "bf16", "int8", "int4"):
+
+
+def seeded(variant):
     torch.manual_seed(0)
     model = Transformer(ModelArgs(**shape)).eval()
     if variant in ("int8", "int4"):
         quantize(model, variant)
-    model = use_cpu_kernels(use_fused_rmsnorm(model.to(torch.bfloat16 if variant != "fp32" else torch.float32)))
+    return use_cpu_kernels(use_fused_rmsnorm(model.to(torch.bfloat16 if variant != "fp32" else torch.float32)))
+
+
+def as_generate_loads(variant):
+    import argparse
+    from llama_mini.inference.loading import add_model_arguments, load_model, open_checkpoint
+    p = argparse.ArgumentParser()
+    add_model_arguments(p)
+    args = p.parse_args(["--ckpt", shape["gguf"], "--device", "cpu"])
+    return load_model(args, *open_checkpoint(args))
+
+
+variants, make = (["as loaded"], as_generate_loads) if "gguf" in shape else (["fp32", "bf16", "int8", "int4"], seeded)
+results, logits = {}, {}
+for variant in variants:
+    model = make(variant)
+    prompt = torch.randint(0, model.args.vocab_size, (1, 128), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         prefills = []
         for _ in range(3):  # the prompt read three times, the fastest kept
@@ -86,20 +105,24 @@ def main() -> None:
     p.add_argument("new", type=Path)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--sizes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    p.add_argument("--gguf", nargs="+", type=Path, help="GGUF files in place of the seeded models")
     args = p.parse_args()
     import torch
 
+    if missing := next((path for path in args.gguf or [] if not path.is_file()), None):
+        sys.exit(f"error: {missing} is not a file")
+    specs = {path.name: {"gguf": str(path.resolve())} for path in args.gguf} if args.gguf else {size: SHAPES[size] for size in args.sizes}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
+        for size, spec in specs.items():
             runs = {"old": [], "new": []}
             for r in range(args.rounds):
                 for side in ("old", "new"):
-                    runs[side].append(run_child(getattr(args, side), SHAPES[size], Path(tmp) / f"{side}-{size}-{r}"))
+                    runs[side].append(run_child(getattr(args, side), spec, Path(tmp) / f"{side}-{size}-{r}"))
             print(f"\n{size}: medians of {args.rounds} rounds, the checkouts taking turns")
             print("| variant | on kernels (old, new) | same logits, bit for bit | prompt tok/s old | new | new/old "
                   "| decoding tok/s old | new | new/old |")
             print("|---|---|---|---|---|---|---|---|---|")
-            for variant in VARIANTS:
+            for variant in runs["old"][0]:
                 old, new = ({key: statistics.median(run[variant][key] for run in runs[side]) for key in ("prefill_s", "step_s")}
                             for side in ("old", "new"))
                 logits = {side: [torch.load(Path(tmp) / f"{side}-{size}-{r}.pt")[variant] for r in range(args.rounds)]
