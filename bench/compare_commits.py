@@ -109,6 +109,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    if stray := next((path for path in (args.old, args.new) if not (path / "llama_mini").is_dir()), None):
+        sys.exit(f"error: {stray} is not a checkout of llama_mini (no llama_mini/ folder in it)")
     if missing := next((path for path in args.gguf or [] if not path.is_file()), None):
         sys.exit(f"error: {missing} is not a file")
     specs = {path.name: {"gguf": str(path.resolve())} for path in args.gguf} if args.gguf else {size: SHAPES[size] for size in args.sizes}

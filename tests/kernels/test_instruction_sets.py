@@ -33,6 +33,11 @@ def in_child(isa: str, *args, timeout=1800) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, env=env, timeout=timeout)
 
 
+def kernels_load(isa: str) -> subprocess.CompletedProcess:
+    """Whether a child process built for isa loads vector kernels that pass their self-check: "True" on stdout."""
+    return in_child(isa, "-c", "from llama_mini.kernels.operators import operators; print(operators() is not None)")
+
+
 def test_this_cpus_own_build_has_its_kernels():
     """The suite runs the kernel tests on this CPU's own build, and they skip where a CPU has no
     kernels. On a CPU with AVX2 and FMA, kernels that failed to build or failed their self-check
@@ -40,7 +45,7 @@ def test_this_cpus_own_build_has_its_kernels():
     without a C++ compiler is the exception."""
     if "avx2" not in build.runnable_isas():
         pytest.skip("no vector kernels for this CPU (they need x86-64 with AVX2 and FMA)")
-    result = in_child("native", "-c", "from llama_mini.kernels.operators import operators; print(operators() is not None)")
+    result = kernels_load("native")
     if "no C++ compiler found" in result.stderr:
         pytest.skip("no C++ compiler on this machine")
     assert result.returncode == 0 and result.stdout.strip() == "True", result.stderr
@@ -48,7 +53,7 @@ def test_this_cpus_own_build_has_its_kernels():
 
 @pytest.mark.parametrize("isa", BELOW_NATIVE)
 def test_the_kernel_tests_pass_built_for_every_instruction_set_this_cpu_runs(isa):
-    has_vectors = in_child(isa, "-c", "from llama_mini.kernels.operators import operators; print(operators() is not None)")
+    has_vectors = kernels_load(isa)
     assert has_vectors.returncode == 0 and has_vectors.stdout.strip() == str(isa != "x86-64"), has_vectors.stderr
     result = in_child(isa, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *KERNEL_TESTS, "-k", "not build")
     assert result.returncode == 0, result.stdout[-5000:] + result.stderr[-2000:]
