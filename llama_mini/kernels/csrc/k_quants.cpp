@@ -59,7 +59,9 @@ struct Lanes {
     }
 };
 constexpr int SET_MR = 8;
-#define UNROLL_SUB_BLOCKS _Pragma("GCC unroll 16")  // 1.1-1.7x with AVX-512's 32 registers; it spills AVX2's 16
+// Eight sub-blocks unrolled (Q5_K's all, Q6_K's half): 1.1-1.7x with AVX-512's 32 registers; all sixteen of
+// Q6_K's spill its sums to the stack (1.13-1.24x slower at 1B's shapes); it spills AVX2's 16.
+#define UNROLL_SUB_BLOCKS _Pragma("GCC unroll 8")
 #else
 struct Lanes {
     static constexpr int N = 8;
